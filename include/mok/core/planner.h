@@ -1,0 +1,93 @@
+// The planner: from a problem (MoeDesc) and device facts to a MoeConfig, with its reasons.
+//
+// Pure host functions, unit-tested. Sizes here are the plan's defaults; the kernels' own
+// can_implement / workspace_bytes have the last word on what they accept.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mok/core/desc.h"
+
+namespace mok {
+
+// What the planner needs to know about a GPU (or the CPU backend). Rates are measured ceilings
+// where the harness has them, datasheet-derived leads otherwise.
+struct DeviceFacts {
+  std::string name;
+  int sm_count = 0;
+  int64_t memory_bytes = 0;
+  double bf16_tflops = 0;   // dense bf16 matrix rate
+  double hbm_gbps = 0;      // device memory copy rate (bytes read + written per second)
+  double nvlink_gbps = 0;   // peer read rate per GPU and direction; 0 = no peers
+
+  static DeviceFacts h200();  // rates measured on this project's H200s (bench/results)
+  static DeviceFacts h100();
+  static DeviceFacts cpu();   // nominal, for the CPU backend's plan
+};
+DeviceFacts find_device(const std::string& name);  // "h200", "h100", "cpu"; throws InvalidArgument
+
+// The tiles the sm_90a expert kernels are planned around.
+struct TileShape {
+  int64_t block_m = 128;           // rows (tokens) per tile
+  int64_t block_n_gate_up = 256;   // columns of the [2I] gate|up output per tile (128 gate + 128 up)
+  int64_t block_n_down = 256;      // columns of the [H] down output per tile
+  int64_t block_k = 64;
+};
+
+struct PlanOverrides {
+  std::optional<int> comm_sms;
+  std::optional<int64_t> minibatch_rows;
+  std::optional<int64_t> ring_rows;
+  std::optional<int64_t> ring_budget_bytes;
+};
+
+// FLOPs and bytes of one pass on one rank under balanced routing, and the floor they imply.
+struct PassCost {
+  double flops = 0;
+  double hbm_bytes = 0;
+  double nvlink_bytes = 0;  // bytes this rank reads or writes on peers
+  double gemm_ms = 0, hbm_ms = 0, nvlink_ms = 0;
+  double floor_ms = 0;      // max of the three
+  const char* bound_by = "";
+};
+
+struct WorkspaceBytes {
+  int64_t symmetric = 0;  // per rank, in symmetric memory (peers address it)
+  int64_t schedule = 0;   // per rank, local: the routing schedule table sized for any skew
+  int64_t ring = 0;       // per rank, local: the ring token buffer
+  int64_t total() const { return symmetric + schedule + ring; }
+};
+
+struct MoeConfig {
+  MoeDesc desc;
+  DeviceFacts device;
+  TileShape tiles;
+  int comm_sms = 0;
+  int compute_sms = 0;
+  int64_t minibatch_rows = 0;      // rows per minibatch (the overlap granularity)
+  int64_t ring_rows = 0;           // rows the ring token buffer holds (a multiple of the minibatch)
+  int64_t ring_row_bytes = 0;      // bytes the ring keeps per row (the larger of fwd and bwd)
+  int64_t expected_rows = 0;       // rows per rank under balanced routing (T*k)
+  int64_t schedule_capacity_rows = 0;
+  bool keeps_forward_context = false;  // all expected rows fit the ring: the backward replays nothing
+  WorkspaceBytes workspace;
+  PassCost forward, backward;
+  std::string explanation;  // why, in plain text
+};
+
+MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrides& overrides = {});
+
+// Pieces of the plan, exposed for tests and for the kernels' launchers.
+int default_comm_sms(const MoeDesc& desc, const DeviceFacts& device);
+int64_t minibatch_rows_for_two_waves(const MoeDesc& desc, const TileShape& tiles, int compute_sms);
+int64_t ring_row_bytes(const MoeDesc& desc);
+int64_t symmetric_bytes(const MoeDesc& desc);
+PassCost forward_cost(const MoeDesc& desc, const DeviceFacts& device);
+PassCost backward_cost(const MoeDesc& desc, const DeviceFacts& device, bool replays);
+
+// Human-readable byte count ("1.50 GiB").
+std::string format_bytes(double bytes);
+
+}  // namespace mok

@@ -1,0 +1,235 @@
+#include "commands.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "args.h"
+#include "mok/core/compare.h"
+#include "mok/core/error.h"
+#include "mok/core/parallel.h"
+#include "mok/core/planner.h"
+#include "mok/core/presets.h"
+#include "mok/core/problem.h"
+#include "mok/core/reference.h"
+#include "progress.h"
+
+namespace mok::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+template <class T>
+std::vector<T> flatten(const std::vector<std::vector<T>>& v) {
+  std::vector<T> out;
+  for (const auto& part : v) out.insert(out.end(), part.begin(), part.end());
+  return out;
+}
+
+// Every output of the layer, flattened, in a fixed order (for checks and bitwise comparisons).
+struct NamedOutputs {
+  std::vector<std::string> names;
+  std::vector<std::vector<double>> values;
+};
+
+template <class Real>
+NamedOutputs collect(const ref::LayerForward<Real>& f, const ref::LayerGrads<Real>& g) {
+  NamedOutputs o;
+  auto add = [&](const std::string& name, const std::vector<Real>& v) {
+    o.names.push_back(name);
+    o.values.emplace_back(v.begin(), v.end());
+  };
+  add("y", flatten(f.y));
+  add("dx", flatten(g.dx));
+  add("d_topk_w", flatten(g.d_topk_w));
+  add("dW_gate", g.d_routed.gate);
+  add("dW_up", g.d_routed.up);
+  add("dW_down", g.d_routed.down);
+  std::vector<Real> sg, su, sd;
+  for (const auto& s : g.d_shared) {
+    sg.insert(sg.end(), s.gate.begin(), s.gate.end());
+    su.insert(su.end(), s.up.begin(), s.up.end());
+    sd.insert(sd.end(), s.down.begin(), s.down.end());
+  }
+  if (!sg.empty()) {
+    add("shared dW_gate", sg);
+    add("shared dW_up", su);
+    add("shared dW_down", sd);
+  }
+  return o;
+}
+
+std::string backend_for(const std::string& requested) {
+#ifdef MOK_WITH_CUDA
+  const bool have_cuda = true;
+#else
+  const bool have_cuda = false;
+#endif
+  if (requested == "auto") return "cpu";  // the CUDA layer is not wired into `mok run` yet
+  if (requested == "cpu") return "cpu";
+  if (requested == "cuda") {
+    throw NotSupported(have_cuda
+                           ? "backend cuda: the GPU layer is not available in `mok run` yet; use --backend cpu"
+                           : "backend cuda: this mok was built without CUDA (no nvcc at build time)");
+  }
+  throw InvalidArgument("backend '" + requested + "' is not one of: auto, cpu, cuda");
+}
+
+}  // namespace
+
+int run_command(const std::vector<std::string>& argv) {
+  const Args args(argv, {"preset", "ranks", "tokens", "routing", "backend", "threads", "runs", "seed"});
+  const ModelPreset& preset = find_preset(args.str("preset", "small"));
+  const MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 256));
+  desc.validate();
+  const RoutingKind routing = parse_routing(args.str("routing", "zipf"));
+  const std::string backend = backend_for(args.str("backend", "auto"));
+  const int64_t runs = args.integer("runs", 2);
+  MOK_REQUIRE(runs >= 1 && runs <= 100, "runs must be in [1, 100], got ", runs);
+  const int64_t threads = args.integer("threads", 0);
+  set_cpu_threads(static_cast<int>(threads));
+  const uint64_t seed = static_cast<uint64_t>(args.integer("seed", 1));
+
+  std::printf("mok run: preset %s, %s, routing %s, backend %s (%d threads), seed %llu\n",
+              preset.name.c_str(), desc.to_string().c_str(), to_string(routing), backend.c_str(),
+              cpu_threads(), static_cast<unsigned long long>(seed));
+
+  Progress progress(2 * runs + 2, "mok run");
+  const auto inputs = make_inputs<float>(desc, routing, seed, /*bf16_values=*/true);
+  const auto dy = make_output_grad<float>(desc, seed, /*bf16_values=*/true);
+
+  std::vector<double> fwd_ms, bwd_ms;
+  NamedOutputs first;
+  int64_t identical_runs = 1;
+  std::string first_difference;
+  for (int64_t run = 0; run < runs; ++run) {
+    auto start = Clock::now();
+    const auto fwd = ref::layer_forward(inputs, ref::Rounding::bf16);
+    fwd_ms.push_back(ms_since(start));
+    progress.step("forward " + std::to_string(run + 1));
+    start = Clock::now();
+    const auto grads = ref::layer_backward(inputs, fwd.context, dy, ref::Rounding::bf16);
+    bwd_ms.push_back(ms_since(start));
+    progress.step("backward " + std::to_string(run + 1));
+    NamedOutputs out = collect(fwd, grads);
+    if (run == 0) {
+      first = std::move(out);
+      continue;
+    }
+    bool same = true;
+    for (size_t i = 0; i < out.values.size() && same; ++i) {
+      const int64_t at = first_bit_difference(out.values[i], first.values[i]);
+      if (at >= 0) {
+        same = false;
+        if (first_difference.empty()) {
+          first_difference = out.names[i] + " differs at index " + std::to_string(at) + " in run " +
+                             std::to_string(run + 1);
+        }
+      }
+    }
+    identical_runs += same ? 1 : 0;
+  }
+
+  // The check: the same layer in fp64 with no rounding (an exact function of the inputs).
+  ref::LayerInputs<double> exact;
+  exact.desc = inputs.desc;
+  for (const auto& v : inputs.x) exact.x.emplace_back(v.begin(), v.end());
+  for (const auto& v : inputs.topk_w) exact.topk_w.emplace_back(v.begin(), v.end());
+  exact.topk_idx = inputs.topk_idx;
+  exact.routed.gate.assign(inputs.routed.gate.begin(), inputs.routed.gate.end());
+  exact.routed.up.assign(inputs.routed.up.begin(), inputs.routed.up.end());
+  exact.routed.down.assign(inputs.routed.down.begin(), inputs.routed.down.end());
+  exact.shared.gate.assign(inputs.shared.gate.begin(), inputs.shared.gate.end());
+  exact.shared.up.assign(inputs.shared.up.begin(), inputs.shared.up.end());
+  exact.shared.down.assign(inputs.shared.down.begin(), inputs.shared.down.end());
+  std::vector<std::vector<double>> dy_exact;
+  for (const auto& v : dy) dy_exact.emplace_back(v.begin(), v.end());
+  const auto fwd_exact = ref::layer_forward(exact, ref::Rounding::none);
+  progress.step("fp64 forward");
+  const auto grads_exact = ref::layer_backward(exact, fwd_exact.context, dy_exact, ref::Rounding::none);
+  progress.step("fp64 backward");
+  progress.finish();
+  const NamedOutputs expected = collect(fwd_exact, grads_exact);
+
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double routed = 6.0 * desc.ranks * desc.routed_slots() * desc.hidden * desc.intermediate;
+  const double shared = 6.0 * desc.ranks * desc.tokens_per_rank * desc.hidden * desc.shared_intermediate;
+  const double fwd_flops = routed + shared;
+  std::printf("\n%-10s %12s %12s   (median of %lld runs, all %lld ranks)\n", "pass", "time (ms)",
+              "GFLOP/s", static_cast<long long>(runs), static_cast<long long>(desc.ranks));
+  std::printf("%-10s %12.2f %12.2f\n", "forward", median(fwd_ms), fwd_flops / median(fwd_ms) / 1e6);
+  std::printf("%-10s %12.2f %12.2f\n", "backward", median(bwd_ms), 2 * fwd_flops / median(bwd_ms) / 1e6);
+
+  bool ok = true;
+  std::printf("\ncheck against the fp64 reference (bound %.0e on ||out-ref||/||ref||):\n", kBf16RelTolerance);
+  for (size_t i = 0; i < first.values.size(); ++i) {
+    const Comparison c = compare(first.values[i], expected.values[i]);
+    const bool pass = c.within(kBf16RelTolerance);
+    ok = ok && pass;
+    std::printf("  %-16s %s %s\n", first.names[i].c_str(), pass ? "ok  " : "FAIL", c.describe("").c_str() + 2);
+  }
+  if (runs > 1) {
+    std::printf("determinism: %lld of %lld runs bitwise identical to the first%s%s\n",
+                static_cast<long long>(identical_runs), static_cast<long long>(runs),
+                first_difference.empty() ? "" : "; ", first_difference.c_str());
+    ok = ok && identical_runs == runs;
+  }
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+
+int plan_command(const std::vector<std::string>& argv) {
+  const Args args(argv, {"preset", "ranks", "tokens", "device", "comm-sms", "minibatch", "ring-rows",
+                         "ring-budget-mib"});
+  MOK_REQUIRE(args.has("preset"), "mok plan needs --preset NAME (see `mok presets`)");
+  const ModelPreset& preset = find_preset(args.str("preset", ""));
+  const MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 8192));
+  PlanOverrides ov;
+  if (auto v = args.optional_integer("comm-sms")) ov.comm_sms = static_cast<int>(*v);
+  ov.minibatch_rows = args.optional_integer("minibatch");
+  ov.ring_rows = args.optional_integer("ring-rows");
+  if (auto v = args.optional_integer("ring-budget-mib")) ov.ring_budget_bytes = *v << 20;
+  const MoeConfig cfg = plan(desc, find_device(args.str("device", "h200")), ov);
+  std::printf("preset %s\n%s", preset.name.c_str(), cfg.explanation.c_str());
+  return 0;
+}
+
+int presets_command(const std::vector<std::string>& argv) {
+  const Args args(argv, {}, {"json"});
+  const bool json = args.has("json");
+  if (json) std::printf("[\n");
+  const auto& presets = model_presets();
+  for (size_t i = 0; i < presets.size(); ++i) {
+    const ModelPreset& p = presets[i];
+    if (json) {
+      std::printf("  {\"name\": \"%s\", \"E\": %lld, \"H\": %lld, \"I\": %lld, \"topk\": %lld, "
+                  "\"shared_I\": %lld, \"swiglu_limit\": ",
+                  p.name.c_str(), static_cast<long long>(p.num_experts), static_cast<long long>(p.hidden),
+                  static_cast<long long>(p.intermediate), static_cast<long long>(p.topk),
+                  static_cast<long long>(p.shared_intermediate));
+      if (p.swiglu_limit) {
+        std::printf("%g}", *p.swiglu_limit);
+      } else {
+        std::printf("null}");
+      }
+      std::printf("%s\n", i + 1 < presets.size() ? "," : "");
+    } else {
+      std::printf("%-16s E=%-4lld H=%-5lld I=%-5lld k=%-2lld shared=%-5lld limit=%s\n", p.name.c_str(),
+                  static_cast<long long>(p.num_experts), static_cast<long long>(p.hidden),
+                  static_cast<long long>(p.intermediate), static_cast<long long>(p.topk),
+                  static_cast<long long>(p.shared_intermediate),
+                  p.swiglu_limit ? std::to_string(*p.swiglu_limit).c_str() : "none");
+    }
+  }
+  if (json) std::printf("]\n");
+  return 0;
+}
+
+}  // namespace mok::cli

@@ -1,0 +1,447 @@
+#include "mok/core/reference.h"
+
+#include <cmath>
+#include <string>
+
+#include "mok/core/cpu_gemm.h"
+#include "mok/core/error.h"
+#include "mok/core/parallel.h"
+
+namespace mok::ref {
+namespace {
+
+template <class Real>
+inline Real store(Real v, Rounding r) {
+  if constexpr (std::is_same_v<Real, float>) {
+    return r == Rounding::bf16 ? round_to_bf16(v) : v;
+  } else {
+    return r == Rounding::bf16 ? static_cast<Real>(round_to_bf16(static_cast<float>(v))) : v;
+  }
+}
+
+template <class Real>
+inline Real sigmoid(Real v) {
+  return Real(1) / (Real(1) + std::exp(-v));
+}
+
+// The activation's inputs after the optional clamp, and which of them pass gradient.
+template <class Real>
+struct Clamped {
+  Real g, u;
+  bool g_passes, u_passes;
+};
+
+template <class Real>
+inline Clamped<Real> clamp_inputs(Real g, Real u, const std::optional<float>& limit) {
+  if (!limit) return {g, u, true, true};
+  const Real L = static_cast<Real>(*limit);
+  Clamped<Real> c{g, u, true, true};
+  if (g > L) {
+    c.g = L;
+    c.g_passes = false;
+  }
+  if (u > L) {
+    c.u = L;
+    c.u_passes = false;
+  } else if (u < -L) {
+    c.u = -L;
+    c.u_passes = false;
+  }
+  return c;
+}
+
+void require_offsets(std::span<const int64_t> offsets, int64_t count) {
+  MOK_REQUIRE(static_cast<int64_t>(offsets.size()) == count + 1, "expert offsets have ",
+              offsets.size(), " entries, expected count+1=", count + 1);
+  MOK_REQUIRE(count == 0 || offsets[0] == 0, "expert offsets must start at 0, got ", offsets[0]);
+  for (int64_t e = 0; e < count; ++e) {
+    MOK_REQUIRE(offsets[e + 1] >= offsets[e], "expert offsets must not decrease: offsets[", e + 1,
+                "]=", offsets[e + 1], " < offsets[", e, "]=", offsets[e]);
+  }
+}
+
+template <class Real>
+void require_finite(const std::vector<Real>& v, const char* what, int64_t rank, int64_t row_width) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i])) {
+      const int64_t w = row_width > 0 ? row_width : 1;
+      throw InvalidArgument(detail::concat(what, rank >= 0 ? "[rank " + std::to_string(rank) + "]" : "",
+                                           "[", static_cast<int64_t>(i) / w, "][",
+                                           static_cast<int64_t>(i) % w, "] is not finite (", v[i], ")"));
+    }
+  }
+}
+
+template <class Real>
+void require_size(const std::vector<Real>& v, int64_t expected, const char* what, int64_t rank) {
+  MOK_REQUIRE(static_cast<int64_t>(v.size()) == expected, what,
+              rank >= 0 ? "[rank " + std::to_string(rank) + "]" : "", " has ", v.size(),
+              " elements, expected ", expected);
+}
+
+}  // namespace
+
+template <class Real>
+void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
+                     std::span<const int64_t> offsets, const Real* x, Real* gu, Real* h, Real* y,
+                     Rounding rounding) {
+  require_offsets(offsets, w.count);
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  const int64_t M = w.count == 0 ? 0 : offsets[w.count];
+  std::vector<Real> acc(static_cast<size_t>(M * 2 * I));  // unrounded [g|u] per row
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.gate + e * I * H, H, acc.data() + m0 * 2 * I, 2 * I);
+    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.up + e * I * H, H, acc.data() + m0 * 2 * I + I, 2 * I);
+  }
+  parallel_for(M, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const Real* a = acc.data() + m * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const Clamped<Real> c = clamp_inputs(a[i], a[I + i], shape.swiglu_limit);
+        h[m * I + i] = store(c.g * sigmoid(c.g) * c.u, rounding);
+        if (gu != nullptr) {
+          gu[m * 2 * I + i] = store(a[i], rounding);
+          gu[m * 2 * I + I + i] = store(a[I + i], rounding);
+        }
+      }
+    }
+  });
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    cpu::gemm_nt(rows, H, I, h + m0 * I, I, w.down + e * H * I, I, y + m0 * H, H);
+  }
+  parallel_for(M * H, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) y[i] = store(y[i], rounding);
+  });
+}
+
+template <class Real>
+void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
+                      std::span<const int64_t> offsets, const Real* x, const Real* gu, const Real* h,
+                      const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
+                      Real* d_gate, Real* d_up, Real* d_down, Rounding rounding) {
+  require_offsets(offsets, w.count);
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  const int64_t M = w.count == 0 ? 0 : offsets[w.count];
+  std::vector<Real> dh(static_cast<size_t>(M * I));
+  std::vector<Real> dgu(static_cast<size_t>(M * 2 * I));  // [dg|du] per row
+  std::vector<Real> hw(static_cast<size_t>(M * I));
+  std::vector<Real> wt;    // one expert's transposed weights
+  std::vector<Real> at, bt;  // transposed activations for wgrad: [width, rows]
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    Real* dg_e = d_gate + e * I * H;
+    Real* du_e = d_up + e * I * H;
+    Real* dd_e = d_down + e * H * I;
+    if (rows == 0) {
+      std::fill(dg_e, dg_e + I * H, Real(0));
+      std::fill(du_e, du_e + I * H, Real(0));
+      std::fill(dd_e, dd_e + H * I, Real(0));
+      continue;
+    }
+    // dh = dy * W_down: W_down [H,I] as its transpose [I,H].
+    wt.resize(static_cast<size_t>(I * H));
+    cpu::transpose(H, I, w.down + e * H * I, I, wt.data(), H);
+    cpu::gemm_nt(rows, I, H, dy + m0 * H, H, wt.data(), H, dh.data() + m0 * I, I);
+
+    // SwiGLU backward per row, from the saved (rounded) g and u.
+    parallel_for(rows, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t m = m0 + r;
+        const Real rw = row_weight[m];
+        const Real* g_u = gu + m * 2 * I;
+        Real dw_acc = 0;
+        for (int64_t i = 0; i < I; ++i) {
+          const Real d = dh[m * I + i];
+          dw_acc = dw_acc + d * h[m * I + i];
+          const Clamped<Real> c = clamp_inputs(g_u[i], g_u[I + i], shape.swiglu_limit);
+          const Real sig = sigmoid(c.g);
+          const Real silu = c.g * sig;
+          const Real dsilu = sig * (Real(1) + c.g * (Real(1) - sig));
+          const Real s = rw * d;
+          dgu[m * 2 * I + i] = c.g_passes ? store(s * c.u * dsilu, rounding) : Real(0);
+          dgu[m * 2 * I + I + i] = c.u_passes ? store(s * silu, rounding) : Real(0);
+          hw[m * I + i] = store(rw * h[m * I + i], rounding);
+        }
+        if (d_row_weight != nullptr) d_row_weight[m] = dw_acc;
+      }
+    });
+
+    // dx = [dg|du] * [W_gate; W_up]: B = [W_gate^T | W_up^T], [H, 2I].
+    wt.resize(static_cast<size_t>(H * 2 * I));
+    cpu::transpose(I, H, w.gate + e * I * H, H, wt.data(), 2 * I);
+    cpu::transpose(I, H, w.up + e * I * H, H, wt.data() + I, 2 * I);
+    cpu::gemm_nt(rows, H, 2 * I, dgu.data() + m0 * 2 * I, 2 * I, wt.data(), 2 * I, dx + m0 * H, H);
+
+    // Weight gradients: reductions over the expert's rows, in their (canonical) order.
+    at.resize(static_cast<size_t>(2 * I * rows));
+    bt.resize(static_cast<size_t>(H * rows));
+    cpu::transpose(rows, 2 * I, dgu.data() + m0 * 2 * I, 2 * I, at.data(), rows);
+    cpu::transpose(rows, H, x + m0 * H, H, bt.data(), rows);
+    cpu::gemm_nt(I, H, rows, at.data(), rows, bt.data(), rows, dg_e, H);
+    cpu::gemm_nt(I, H, rows, at.data() + I * rows, rows, bt.data(), rows, du_e, H);
+    cpu::transpose(rows, H, dy + m0 * H, H, bt.data(), rows);
+    cpu::transpose(rows, I, hw.data() + m0 * I, I, at.data(), rows);
+    cpu::gemm_nt(H, I, rows, bt.data(), rows, at.data(), rows, dd_e, I);
+  }
+  parallel_for(M * H, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dx[i] = store(dx[i], rounding);
+  });
+}
+
+template <class Real>
+void gather_token_rows(const RankSchedule& s, int64_t topk, int64_t width,
+                       std::span<const Real* const> src, Real* rows) {
+  for (size_t i = 0; i < s.rows.size(); ++i) {
+    const RouteRow r = s.rows[i];
+    Real* out = rows + static_cast<int64_t>(i) * width;
+    if (r.is_padding()) {
+      std::fill(out, out + width, Real(0));
+    } else {
+      const Real* in = src[static_cast<size_t>(r.src_rank)] + (r.src_slot / topk) * width;
+      std::copy(in, in + width, out);
+    }
+  }
+}
+
+template <class Real>
+void gather_slot_values(const RankSchedule& s, std::span<const Real* const> src, Real* values) {
+  for (size_t i = 0; i < s.rows.size(); ++i) {
+    const RouteRow r = s.rows[i];
+    values[i] = r.is_padding() ? Real(0) : src[static_cast<size_t>(r.src_rank)][r.src_slot];
+  }
+}
+
+template <class Real>
+void scatter_slot_rows(const RankSchedule& s, int64_t width, const Real* rows,
+                       std::span<Real* const> dst) {
+  for (size_t i = 0; i < s.rows.size(); ++i) {
+    const RouteRow r = s.rows[i];
+    if (r.is_padding()) continue;
+    const Real* in = rows + static_cast<int64_t>(i) * width;
+    std::copy(in, in + width, dst[static_cast<size_t>(r.src_rank)] + int64_t{r.src_slot} * width);
+  }
+}
+
+template <class Real>
+void combine_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* y_shared,
+                      const Real* slots, const Real* topk_w, Real* y, Rounding rounding) {
+  parallel_for(tokens, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t c = 0; c < hidden; ++c) {
+        Real acc = y_shared != nullptr ? y_shared[t * hidden + c] : Real(0);
+        for (int64_t j = 0; j < topk; ++j) {
+          const Real term = topk_w[t * topk + j] * slots[(t * topk + j) * hidden + c];
+          acc = acc + term;
+        }
+        y[t * hidden + c] = store(acc, rounding);
+      }
+    }
+  });
+}
+
+template <class Real>
+void dispatch_grad_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* dx_shared,
+                            const Real* slots, Real* dx, Rounding rounding) {
+  parallel_for(tokens, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t c = 0; c < hidden; ++c) {
+        Real acc = dx_shared != nullptr ? dx_shared[t * hidden + c] : Real(0);
+        for (int64_t j = 0; j < topk; ++j) acc = acc + slots[(t * topk + j) * hidden + c];
+        dx[t * hidden + c] = store(acc, rounding);
+      }
+    }
+  });
+}
+
+template <class Real>
+void validate_inputs(const LayerInputs<Real>& in) {
+  const MoeDesc& d = in.desc;
+  d.validate();
+  MOK_REQUIRE(d.precision == Precision::bf16, "the CPU reference implements precision bf16 only, got ",
+              to_string(d.precision));
+  const int64_t R = d.ranks, T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
+  MOK_REQUIRE(static_cast<int64_t>(in.x.size()) == R, "x is given for ", in.x.size(), " ranks, expected ", R);
+  MOK_REQUIRE(static_cast<int64_t>(in.topk_idx.size()) == R, "topk_idx is given for ", in.topk_idx.size(),
+              " ranks, expected ", R);
+  MOK_REQUIRE(static_cast<int64_t>(in.topk_w.size()) == R, "topk_w is given for ", in.topk_w.size(),
+              " ranks, expected ", R);
+  for (int64_t r = 0; r < R; ++r) {
+    require_size(in.x[r], T * H, "x", r);
+    require_size(in.topk_w[r], T * k, "topk_w", r);
+    validate_routing(d, r, in.topk_idx[r]);
+    require_finite(in.x[r], "x", r, H);
+    require_finite(in.topk_w[r], "topk_w", r, k);
+  }
+  require_size(in.routed.gate, d.num_experts * I * H, "w_gate", -1);
+  require_size(in.routed.up, d.num_experts * I * H, "w_up", -1);
+  require_size(in.routed.down, d.num_experts * H * I, "w_down", -1);
+  require_finite(in.routed.gate, "w_gate", -1, H);
+  require_finite(in.routed.up, "w_up", -1, H);
+  require_finite(in.routed.down, "w_down", -1, I);
+  const int64_t Is = d.shared_intermediate;
+  require_size(in.shared.gate, Is * H, "shared w_gate", -1);
+  require_size(in.shared.up, Is * H, "shared w_up", -1);
+  require_size(in.shared.down, H * Is, "shared w_down", -1);
+  require_finite(in.shared.gate, "shared w_gate", -1, H);
+  require_finite(in.shared.up, "shared w_up", -1, H);
+  require_finite(in.shared.down, "shared w_down", -1, Is);
+}
+
+template <class Real>
+LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding) {
+  validate_inputs(in);
+  const MoeDesc& d = in.desc;
+  const int64_t R = d.ranks, T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
+  const int64_t El = d.local_experts(), Is = d.shared_intermediate;
+  const MlpShape routed_shape{H, I, d.swiglu_limit};
+  const MlpShape shared_shape{H, Is, d.swiglu_limit};
+
+  std::vector<const int32_t*> idx;
+  std::vector<const Real*> x_ptrs;
+  for (int64_t r = 0; r < R; ++r) {
+    idx.push_back(in.topk_idx[r].data());
+    x_ptrs.push_back(in.x[r].data());
+  }
+
+  LayerForward<Real> out;
+  LayerContext<Real>& ctx = out.context;
+  ctx.schedules = build_schedules(d, idx);
+  std::vector<std::vector<Real>> combine(static_cast<size_t>(R), std::vector<Real>(static_cast<size_t>(T * k * H)));
+  std::vector<Real*> combine_ptrs;
+  for (auto& c : combine) combine_ptrs.push_back(c.data());
+
+  for (int64_t dst = 0; dst < R; ++dst) {
+    const RankSchedule& s = ctx.schedules[dst];
+    const int64_t M = s.padded_rows();
+    auto& x_rows = ctx.x_rows.emplace_back(static_cast<size_t>(M * H));
+    auto& gu = ctx.gu.emplace_back(static_cast<size_t>(M * 2 * I));
+    auto& h = ctx.h.emplace_back(static_cast<size_t>(M * I));
+    std::vector<Real> y_rows(static_cast<size_t>(M * H));
+    gather_token_rows<Real>(s, k, H, x_ptrs, x_rows.data());
+    const ExpertsView<Real> w{in.routed.gate.data() + dst * El * I * H,
+                              in.routed.up.data() + dst * El * I * H,
+                              in.routed.down.data() + dst * El * H * I, El};
+    experts_forward(routed_shape, w, s.expert_offsets, x_rows.data(), gu.data(), h.data(),
+                    y_rows.data(), rounding);
+    scatter_slot_rows<Real>(s, H, y_rows.data(), combine_ptrs);
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    auto& y = out.y.emplace_back(static_cast<size_t>(T * H));
+    std::vector<Real> y_shared;
+    if (d.has_shared()) {
+      auto& sgu = ctx.shared_gu.emplace_back(static_cast<size_t>(T * 2 * Is));
+      auto& sh = ctx.shared_h.emplace_back(static_cast<size_t>(T * Is));
+      y_shared.resize(static_cast<size_t>(T * H));
+      const std::vector<int64_t> offsets{0, T};
+      const ExpertsView<Real> sw{in.shared.gate.data(), in.shared.up.data(), in.shared.down.data(), 1};
+      experts_forward(shared_shape, sw, offsets, in.x[r].data(), sgu.data(), sh.data(),
+                      y_shared.data(), rounding);
+    }
+    combine_epilogue(T, H, k, d.has_shared() ? y_shared.data() : nullptr, combine[r].data(),
+                     in.topk_w[r].data(), y.data(), rounding);
+  }
+  return out;
+}
+
+template <class Real>
+LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<Real>& ctx,
+                                const std::vector<std::vector<Real>>& dy, Rounding rounding) {
+  const MoeDesc& d = in.desc;
+  const int64_t R = d.ranks, T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
+  const int64_t El = d.local_experts(), Is = d.shared_intermediate;
+  MOK_REQUIRE(static_cast<int64_t>(dy.size()) == R, "dy is given for ", dy.size(), " ranks, expected ", R);
+  MOK_REQUIRE(static_cast<int64_t>(ctx.schedules.size()) == R, "the forward context has ",
+              ctx.schedules.size(), " ranks, expected ", R);
+  for (int64_t r = 0; r < R; ++r) {
+    require_size(dy[r], T * H, "dy", r);
+    require_finite(dy[r], "dy", r, H);
+  }
+  const MlpShape routed_shape{H, I, d.swiglu_limit};
+  const MlpShape shared_shape{H, Is, d.swiglu_limit};
+
+  LayerGrads<Real> g;
+  g.d_routed.gate.resize(static_cast<size_t>(d.num_experts * I * H));
+  g.d_routed.up.resize(static_cast<size_t>(d.num_experts * I * H));
+  g.d_routed.down.resize(static_cast<size_t>(d.num_experts * H * I));
+  std::vector<std::vector<Real>> dx_slots(static_cast<size_t>(R), std::vector<Real>(static_cast<size_t>(T * k * H)));
+  g.d_topk_w.assign(static_cast<size_t>(R), std::vector<Real>(static_cast<size_t>(T * k)));
+  std::vector<Real*> dx_slot_ptrs, dw_ptrs;
+  std::vector<const Real*> dy_ptrs, w_ptrs;
+  for (int64_t r = 0; r < R; ++r) {
+    dx_slot_ptrs.push_back(dx_slots[r].data());
+    dw_ptrs.push_back(g.d_topk_w[r].data());
+    dy_ptrs.push_back(dy[r].data());
+    w_ptrs.push_back(in.topk_w[r].data());
+  }
+
+  for (int64_t dst = 0; dst < R; ++dst) {
+    const RankSchedule& s = ctx.schedules[dst];
+    const int64_t M = s.padded_rows();
+    std::vector<Real> dy_rows(static_cast<size_t>(M * H)), row_w(static_cast<size_t>(M));
+    std::vector<Real> dx_rows(static_cast<size_t>(M * H)), dw_rows(static_cast<size_t>(M));
+    gather_token_rows<Real>(s, k, H, dy_ptrs, dy_rows.data());
+    gather_slot_values<Real>(s, w_ptrs, row_w.data());
+    const ExpertsView<Real> w{in.routed.gate.data() + dst * El * I * H,
+                              in.routed.up.data() + dst * El * I * H,
+                              in.routed.down.data() + dst * El * H * I, El};
+    experts_backward(routed_shape, w, s.expert_offsets, ctx.x_rows[dst].data(), ctx.gu[dst].data(),
+                     ctx.h[dst].data(), dy_rows.data(), row_w.data(), dx_rows.data(), dw_rows.data(),
+                     g.d_routed.gate.data() + dst * El * I * H, g.d_routed.up.data() + dst * El * I * H,
+                     g.d_routed.down.data() + dst * El * H * I, rounding);
+    scatter_slot_rows<Real>(s, H, dx_rows.data(), dx_slot_ptrs);
+    scatter_slot_rows<Real>(s, 1, dw_rows.data(), dw_ptrs);
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    auto& dx = g.dx.emplace_back(static_cast<size_t>(T * H));
+    auto& ds = g.d_shared.emplace_back();
+    std::vector<Real> dx_shared;
+    if (d.has_shared()) {
+      ds.gate.resize(static_cast<size_t>(Is * H));
+      ds.up.resize(static_cast<size_t>(Is * H));
+      ds.down.resize(static_cast<size_t>(H * Is));
+      dx_shared.resize(static_cast<size_t>(T * H));
+      const std::vector<Real> ones(static_cast<size_t>(T), Real(1));
+      const std::vector<int64_t> offsets{0, T};
+      const ExpertsView<Real> sw{in.shared.gate.data(), in.shared.up.data(), in.shared.down.data(), 1};
+      experts_backward(shared_shape, sw, offsets, in.x[r].data(), ctx.shared_gu[r].data(),
+                       ctx.shared_h[r].data(), dy[r].data(), ones.data(), dx_shared.data(), static_cast<Real*>(nullptr),
+                       ds.gate.data(), ds.up.data(), ds.down.data(), rounding);
+    }
+    dispatch_grad_epilogue(T, H, k, d.has_shared() ? dx_shared.data() : nullptr, dx_slots[r].data(),
+                           dx.data(), rounding);
+  }
+  return g;
+}
+
+#define MOK_INSTANTIATE_REFERENCE(Real)                                                            \
+  template void experts_forward<Real>(const MlpShape&, const ExpertsView<Real>&,                   \
+                                      std::span<const int64_t>, const Real*, Real*, Real*, Real*,  \
+                                      Rounding);                                                   \
+  template void experts_backward<Real>(const MlpShape&, const ExpertsView<Real>&,                  \
+                                       std::span<const int64_t>, const Real*, const Real*,         \
+                                       const Real*, const Real*, const Real*, Real*, Real*, Real*, \
+                                       Real*, Real*, Rounding);                                    \
+  template void gather_token_rows<Real>(const RankSchedule&, int64_t, int64_t,                     \
+                                        std::span<const Real* const>, Real*);                      \
+  template void gather_slot_values<Real>(const RankSchedule&, std::span<const Real* const>, Real*); \
+  template void scatter_slot_rows<Real>(const RankSchedule&, int64_t, const Real*,                 \
+                                        std::span<Real* const>);                                   \
+  template void combine_epilogue<Real>(int64_t, int64_t, int64_t, const Real*, const Real*,        \
+                                       const Real*, Real*, Rounding);                              \
+  template void dispatch_grad_epilogue<Real>(int64_t, int64_t, int64_t, const Real*, const Real*,  \
+                                             Real*, Rounding);                                     \
+  template void validate_inputs<Real>(const LayerInputs<Real>&);                                   \
+  template LayerForward<Real> layer_forward<Real>(const LayerInputs<Real>&, Rounding);             \
+  template LayerGrads<Real> layer_backward<Real>(const LayerInputs<Real>&, const LayerContext<Real>&, \
+                                                 const std::vector<std::vector<Real>>&, Rounding);
+
+MOK_INSTANTIATE_REFERENCE(float)
+MOK_INSTANTIATE_REFERENCE(double)
+
+}  // namespace mok::ref
