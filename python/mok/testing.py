@@ -44,6 +44,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "expert_mlp",
+    "expert_mlp_with_grads",
     "moe_reference",
     "moe_reference_grads",
     "moe_reference_ep",
@@ -246,7 +247,7 @@ class MoeGrads(NamedTuple):
     d_shared: SharedWeights | None  # weight_grad_dtype
 
 
-def _expert_forward_backward(
+def expert_mlp_with_grads(
     x_rows: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
@@ -254,7 +255,7 @@ def _expert_forward_backward(
     d_out_rows: torch.Tensor,
     swiglu_limit: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward and explicit backward of one expert in x_rows' dtype.
+    """Forward and explicit backward of one SwiGLU expert, in x_rows' dtype.
 
     Returns (out_rows, d_x_rows, d_w_gate, d_w_up, d_w_down, act) where ``d_out_rows`` is the
     gradient w.r.t. ``out_rows``.
@@ -323,7 +324,7 @@ def moe_reference_grads(
             x_rows = x.index_select(0, tokens).to(compute_dtype)
             d_y_rows = d_y.index_select(0, tokens).to(compute_dtype)
             # The layer scales each expert output by its slot weight: d(out) = w * dy.
-            out, d_x_rows, dwg, dwu, dwd, _ = _expert_forward_backward(
+            out, d_x_rows, dwg, dwu, dwd, _ = expert_mlp_with_grads(
                 x_rows, w_gate[e], w_up[e], w_down[e], slot_w * d_y_rows, swiglu_limit
             )
             y.index_add_(0, tokens, slot_w * out)
@@ -336,7 +337,7 @@ def moe_reference_grads(
         d_shared: SharedWeights | None = None
         if shared is not None:
             x_c = x.to(compute_dtype)
-            out, d_x_rows, dwg, dwu, dwd, _ = _expert_forward_backward(
+            out, d_x_rows, dwg, dwu, dwd, _ = expert_mlp_with_grads(
                 x_c, *shared, d_y.to(compute_dtype), swiglu_limit
             )
             y += out

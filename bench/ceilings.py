@@ -1,0 +1,129 @@
+"""Machine ceilings measured at the start of every run: the rates the floors are computed from.
+
+- ``bf16_tflops``: dense bf16 matmul, 8192^3, random data, median of several.
+- ``hbm_gbps``: device-to-device copy of 1 GiB, counting bytes read + written.
+- ``nvlink_read_gbps`` / ``nvlink_write_gbps``: per direction, through torch symmetric memory. Every
+  rank runs an SM copy kernel at the same time: read = from its neighbour's buffer into a local
+  one, write = from a local buffer into the neighbour's. With every rank doing it, each link
+  direction carries one stream, so bytes / time is the per-direction rate. The copy-engine variants
+  (``cudaMemcpy`` through ``Tensor.copy_``) are recorded beside them. Null on one GPU.
+
+In smoke mode (CPU) only a quick matmul and memcpy rate are taken, marked ``measured_on: "cpu"``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from .runtime import Runtime
+
+NVLINK_BUFFER_BYTES = 256 * 1024 * 1024  # 268 MB
+
+
+def _median_ms(rt: Runtime, fn: Callable[[], object], warmup: int, iters: int, all_ranks: bool) -> float:
+    """Median over iterations of the slowest rank's time (all_ranks) or of this rank's time."""
+    from .runtime import _time_iterations  # the same timer the cases use
+
+    _time_iterations(rt, lambda _: fn(), None, warmup)
+    mine = torch.tensor(_time_iterations(rt, lambda _: fn(), None, iters), dtype=torch.float64, device=rt.device)
+    if all_ranks:
+        mine = rt.all_gather_tensor(mine.unsqueeze(0)).max(dim=0).values
+    return statistics.median(mine.tolist())
+
+
+def _matmul_tflops(rt: Runtime, n: int, warmup: int, iters: int) -> float:
+    a = torch.randn(n, n, device=rt.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=rt.device, dtype=torch.bfloat16)
+    ms = _median_ms(rt, lambda: a @ b, warmup, iters, all_ranks=False)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _copy_gbps(rt: Runtime, nbytes: int, warmup: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=rt.device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = _median_ms(rt, lambda: dst.copy_(src), warmup, iters, all_ranks=False)
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, float]:
+    """Per-direction peer read/write rates; every rank reads from / writes to rank+1 at the same time."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    numel = NVLINK_BUFFER_BYTES // 2
+    group_name = rt.group.group_name
+    try:
+        symm_mem.enable_symm_mem_for_group(group_name)
+    except Exception:  # deprecated / unnecessary on newer torch
+        pass
+    symm_buf = symm_mem.empty(numel, dtype=torch.bfloat16, device=rt.device).fill_(rt.rank)
+    handle = symm_mem.rendezvous(symm_buf, rt.group)
+    peer = (rt.rank + 1) % rt.world_size
+    remote = handle.get_buffer(peer, (numel,), torch.bfloat16)
+    local = torch.empty(numel, dtype=torch.bfloat16, device=rt.device).fill_(rt.rank)
+    rt.barrier()
+
+    def rate(fn: Callable[[], object]) -> float:
+        ms = _median_ms(rt, fn, warmup, iters, all_ranks=True)
+        return NVLINK_BUFFER_BYTES / (ms * 1e-3) / 1e9
+
+    # SM kernels (an elementwise op cannot be turned into a cudaMemcpy): read pulls peer -> local,
+    # write pushes local -> peer.
+    result = {
+        "nvlink_read_gbps": rate(lambda: torch.neg(remote, out=local)),
+        "nvlink_write_gbps": rate(lambda: torch.neg(local, out=remote)),
+        "nvlink_read_gbps_copy_engine": rate(lambda: local.copy_(remote)),
+        "nvlink_write_gbps_copy_engine": rate(lambda: remote.copy_(local)),
+    }
+    rt.barrier()
+    # Data check: after the last write, our buffer holds our left neighbour's value.
+    left = (rt.rank - 1) % rt.world_size
+    if float(symm_buf[0]) != float(left) or float(symm_buf[-1]) != float(left):
+        raise RuntimeError(f"peer write check failed: expected {left}, got {float(symm_buf[0])}")
+    rt.barrier()
+    del remote, handle, symm_buf
+    return result
+
+
+def measure_ceilings(rt: Runtime, smoke: bool) -> dict[str, Any]:
+    """All ceilings; a measurement that fails is null, with its error under ``errors``."""
+    ceilings: dict[str, Any] = {
+        "bf16_tflops": None,
+        "hbm_gbps": None,
+        "nvlink_read_gbps": None,
+        "nvlink_write_gbps": None,
+        "measured_on": "cpu" if smoke else "cuda",
+        "errors": {},
+    }
+
+    def attempt(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+            if isinstance(value, dict):
+                ceilings.update(value)
+            else:
+                ceilings[name] = value
+        except Exception as exc:  # recorded, never fatal
+            ceilings["errors"][name] = f"{type(exc).__name__}: {exc}"
+            ceilings["errors"][name + "_traceback"] = traceback.format_exc(limit=4)
+
+    if smoke:
+        attempt("bf16_tflops", lambda: _matmul_tflops(rt, 256, 1, 3))
+        attempt("hbm_gbps", lambda: _copy_gbps(rt, 32 << 20, 1, 3))
+        ceilings["note"] = "CPU smoke run: quick matmul and memcpy rates, no NVLink"
+    else:
+        attempt("bf16_tflops", lambda: _matmul_tflops(rt, 8192, 3, 10))
+        attempt("hbm_gbps", lambda: _copy_gbps(rt, 1 << 30, 3, 10))
+        if rt.world_size > 1:
+            attempt("nvlink", lambda: _nvlink_gbps(rt, 2, 8))
+        # Every rank must agree that the nvlink measurement ran (it holds collectives).
+        rt.barrier()
+    # Rates are per rank; report the slowest rank's (same machine, so they should agree).
+    for key in ("bf16_tflops", "hbm_gbps", "nvlink_read_gbps", "nvlink_write_gbps"):
+        value = ceilings.get(key)
+        lowest = rt.all_min([value if isinstance(value, (int, float)) else -1.0])[0]
+        ceilings[key] = lowest if lowest >= 0 else None
+    return ceilings

@@ -1,0 +1,86 @@
+"""Our kernels, through the ``mok`` package: skipped with a message until its GPU ops are importable.
+
+The layer adapter follows the functional API of the reference system (``get_workspace`` ->
+``build_schedule`` -> ``forward`` -> ``backward``, REFERENCE.md §1.1), which DESIGN.md plans for
+``mok.functional``; when the real API lands, adjust ``_layer_runner`` (and add ``_experts_runner``)
+and nothing else in the harness. Anything the adapter cannot find is a Skip with the reason.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from . import BenchContext, Runner, Skip, register_impl
+
+LAYER_API = ("get_workspace", "build_schedule", "forward", "backward")
+EXPERTS_API = ("expert_mlp_forward", "expert_mlp_backward")
+
+
+def _mok_functional(required: tuple[str, ...]) -> ModuleType:
+    try:
+        import mok.functional as functional  # type: ignore[import-not-found]
+    except Exception as exc:  # not built, or built without GPU ops
+        raise Skip(f"mok GPU ops not importable ({type(exc).__name__}: {exc})") from None
+    missing = [name for name in required if not hasattr(functional, name)]
+    if missing:
+        raise Skip(f"mok.functional has no {', '.join(missing)} yet")
+    return functional
+
+
+@register_impl("mok", "layer", is_baseline=False, description="MoK megakernel (mok.functional)")
+def build_layer(problem: Any, ctx: BenchContext) -> Runner:
+    if not ctx.runtime.is_cuda:
+        raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
+    functional = _mok_functional(LAYER_API)
+    return _layer_runner(functional, problem, ctx)
+
+
+def _layer_runner(functional: ModuleType, problem: Any, ctx: BenchContext) -> Runner:
+    p = problem
+    config = functional.MoKConfig() if hasattr(functional, "MoKConfig") else None
+    workspace = functional.get_workspace(
+        config, ctx.runtime.group, device=p.x.device, num_local_tokens=p.x.shape[0],
+        hidden_size=p.preset.H, topk=p.preset.topk,
+    )
+    # Argument order of the reference API: shared gate, up, down, then routed gate, up, down.
+    shared = tuple(w.detach() for w in p.shared) if p.shared is not None else (None, None, None)
+    weights = (*shared, p.w_gate.detach(), p.w_up.detach(), p.w_down.detach())
+
+    def forward() -> Any:
+        schedule = functional.build_schedule(workspace, config, p.topk_idx, num_local_experts=p.local_experts)
+        y, fwd_ctx = functional.forward(
+            config, workspace, schedule, p.x.detach(), p.topk_w.detach(), *weights, swiglu_limit=p.swiglu_limit
+        )
+        return y, schedule, fwd_ctx
+
+    def backward(state: Any) -> list[torch.Tensor | None]:
+        _, schedule, fwd_ctx = state
+        (d_x, d_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down) = functional.backward(
+            config, workspace, schedule, fwd_ctx, p.d_y, p.x.detach(), p.topk_w.detach(), *weights,
+            swiglu_limit=p.swiglu_limit,
+        )
+        grads = [d_x, d_w, d_gate, d_up, d_down]
+        return grads + ([d_s_gate, d_s_up, d_s_down] if p.shared is not None else [])
+
+    return Runner(forward=forward, output=lambda state: state[0], backward=backward)
+
+
+@register_impl("mok", "experts", is_baseline=False, description="MoK grouped expert MLP (mok.functional)")
+def build_experts(problem: Any, ctx: BenchContext) -> Runner:
+    if not ctx.runtime.is_cuda:
+        raise Skip("the MoK kernels need an sm_90a GPU")
+    functional = _mok_functional(EXPERTS_API)
+    p = problem
+
+    def forward() -> Any:
+        return functional.expert_mlp_forward(p.x.detach(), p.offs, p.w_gate.detach(), p.w_up.detach(),
+                                             p.w_down.detach(), swiglu_limit=p.swiglu_limit)
+
+    def backward(state: Any) -> list[torch.Tensor | None]:
+        y, fwd_ctx = state
+        return list(functional.expert_mlp_backward(fwd_ctx, p.d_y))
+
+    return Runner(forward=forward, output=lambda state: state[0], backward=backward)

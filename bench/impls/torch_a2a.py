@@ -1,0 +1,92 @@
+"""Baseline (a): NCCL ``all_to_all_single`` dispatch/combine + permute + ``torch._grouped_mm`` SwiGLU MLP.
+
+The TorchTitan/Megatron "alltoall" path. Per forward:
+1. sort the (token, j) slots by global expert id — that groups them by destination rank, then by
+   local expert; count slots per (rank, expert);
+2. exchange the counts with ``all_to_all_single`` and copy the splits to the host (the one host
+   sync NCCL's variable-size all-to-all needs);
+3. dispatch the x rows with ``all_to_all_single``; received rows come ordered (source rank, expert),
+   permute them to (expert, source rank) for the grouped GEMMs;
+4. grouped gate/up GEMMs, SwiGLU, grouped down GEMM; un-permute; combine with ``all_to_all_single``;
+5. un-sort to slot order and take the fp32 weighted sum over j, plus the shared expert.
+Backward is autograd through all of it (the all-to-alls' backward is the reverse all-to-all).
+
+gloo implements ``all_to_all_single`` on CPU tensors, so the smoke mode runs the same exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import BenchContext, Runner, Skip, autograd_runner, register_impl
+from ._common import grouped_swiglu_mlp, inverse_permutation, layer_activation_bytes, shared_expert, weighted_slot_sum
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows exchanged with all_to_all_single; the backward sends gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        d_rows = d_out.new_empty((sum(in_splits),) + tuple(d_out.shape[1:]))
+        dist.all_to_all_single(d_rows, d_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return d_rows, None, None, None
+
+
+def _memory_bytes(problem: Any, ctx: BenchContext) -> int:
+    return layer_activation_bytes(problem, problem.load.max_rows_received())
+
+
+@register_impl("torch_a2a", "layer", memory_bytes=_memory_bytes,
+               description="NCCL all_to_all_single + permute + torch._grouped_mm SwiGLU + all_to_all_single")
+def build(problem: Any, ctx: BenchContext) -> Runner:
+    if problem.case.precision != "bf16":
+        raise Skip(f"precision {problem.case.precision} not implemented in the torch baseline")
+    p = problem
+    R, El, k = p.ranks, p.local_experts, p.preset.topk
+    group = ctx.runtime.group
+    device = p.x.device
+
+    def forward() -> torch.Tensor:
+        T = p.x.shape[0]
+        with torch.no_grad():
+            flat_expert = p.topk_idx.reshape(-1)
+            # Global expert ids sort slots by destination rank (contiguous placement), then by local expert.
+            slot_order = torch.sort(flat_expert, stable=True).indices
+            send_counts = torch.bincount(flat_expert, minlength=R * El).view(R, El)
+            if R > 1:
+                recv_counts = torch.empty_like(send_counts)
+                dist.all_to_all_single(recv_counts, send_counts, group=group)  # [src, local expert]
+            else:
+                recv_counts = send_counts
+            host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # host sync
+            send_splits, recv_splits = host[0], host[1]
+            num_recv = sum(recv_splits)
+            # Received rows are ordered (source rank, local expert); regroup them by expert.
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(El, device=device).repeat(R), recv_counts.reshape(-1), output_size=num_recv
+            )
+            expert_order = torch.sort(expert_of_row, stable=True).indices
+            offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
+
+        x_send = p.x.index_select(0, slot_order // k)
+        x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group) if R > 1 else x_send
+        x_sorted = x_recv.index_select(0, expert_order)
+        y_sorted = grouped_swiglu_mlp(x_sorted, offs, p.w_gate, p.w_up, p.w_down, p.swiglu_limit)
+        y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
+        y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
+        y_slots = y_back.index_select(0, inverse_permutation(slot_order))
+        return weighted_slot_sum(y_slots, p.topk_w, shared_expert(p.x, p.shared, p.swiglu_limit))
+
+    return autograd_runner(p, forward)
