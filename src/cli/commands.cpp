@@ -1,6 +1,8 @@
 #include "commands.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 
@@ -82,10 +84,21 @@ std::string backend_for(const std::string& requested) {
 }  // namespace
 
 int run_command(const std::vector<std::string>& argv) {
-  const Args args(argv, {"preset", "ranks", "tokens", "routing", "backend", "threads", "runs", "seed"});
+  const Args args(argv, {"preset", "ranks", "tokens", "routing", "backend", "threads", "runs", "seed", "limit"});
   const ModelPreset& preset = find_preset(args.str("preset", "small"));
-  const MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 256));
+  MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 256));
+  if (args.has("limit")) {
+    const std::string v = args.str("limit", "");
+    char* end = nullptr;
+    const float limit = std::strtof(v.c_str(), &end);
+    MOK_REQUIRE(!v.empty() && *end == '\0', "option --limit needs a number, got '", v, "'");
+    desc.swiglu_limit = limit;
+  }
   desc.validate();
+  // The CPU backend holds every rank's experts (and an fp64 copy for the check) in host memory.
+  const double host_bytes = 12.0 * 3.0 * static_cast<double>(desc.num_experts * desc.intermediate * desc.hidden);
+  MOK_REQUIRE(host_bytes < 8e9, "preset ", preset.name, " needs about ", format_bytes(host_bytes),
+              " of host memory on the CPU backend; use a smaller preset (small, tiny)");
   const RoutingKind routing = parse_routing(args.str("routing", "zipf"));
   const std::string backend = backend_for(args.str("backend", "auto"));
   const int64_t runs = args.integer("runs", 2);

@@ -15,7 +15,7 @@ const char* kUsage =
     "              [--comm-sms N] [--minibatch ROWS] [--ring-rows ROWS] [--ring-budget-mib MIB]\n"
     "              print the plan (minibatch, ring, workspace, floors) and why\n"
     "  mok run     [--preset NAME] [--ranks R] [--tokens T] [--routing balanced|uniform|zipf|one_expert]\n"
-    "              [--backend auto|cpu|cuda] [--threads N] [--runs N] [--seed S]\n"
+    "              [--backend auto|cpu|cuda] [--threads N] [--runs N] [--seed S] [--limit L]\n"
     "              run forward+backward, check against the fp64 reference, print timings\n"
     "  mok presets [--json]   list the model presets\n";
 

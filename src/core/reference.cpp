@@ -50,6 +50,21 @@ inline Clamped<Real> clamp_inputs(Real g, Real u, const std::optional<float>& li
   return c;
 }
 
+// g or u rounded for the backward such that the clamp decides the same from the saved value as
+// from the unrounded one: a value that passes the band [lo, hi] is saved inside it, one that is
+// clamped is saved outside it. A clamped value's magnitude is never used (its derivative is
+// zero), and a passing value moves at most one bf16 step, so this costs no accuracy; without it,
+// values within one bf16 step of the limit would flip between passing and clamped.
+template <class Real>
+inline Real save_for_clamp(Real v, float lo, float hi, Rounding rounding) {
+  const Real saved = store(v, rounding);
+  if (rounding == Rounding::none) return saved;
+  const bool passes = v >= lo && v <= hi;
+  if (passes == (saved >= lo && saved <= hi)) return saved;
+  if (passes) return saved > hi ? static_cast<Real>(bf16_at_most(hi)) : static_cast<Real>(-bf16_at_most(-lo));
+  return v > hi ? static_cast<Real>(bf16_next_above(hi)) : static_cast<Real>(-bf16_next_above(-lo));
+}
+
 void require_offsets(std::span<const int64_t> offsets, int64_t count) {
   MOK_REQUIRE(static_cast<int64_t>(offsets.size()) == count + 1, "expert offsets have ",
               offsets.size(), " entries, expected count+1=", count + 1);
@@ -102,8 +117,14 @@ void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
         const Clamped<Real> c = clamp_inputs(a[i], a[I + i], shape.swiglu_limit);
         h[m * I + i] = store(c.g * sigmoid(c.g) * c.u, rounding);
         if (gu != nullptr) {
-          gu[m * 2 * I + i] = store(a[i], rounding);
-          gu[m * 2 * I + I + i] = store(a[I + i], rounding);
+          if (shape.swiglu_limit) {
+            const float L = *shape.swiglu_limit;
+            gu[m * 2 * I + i] = save_for_clamp(a[i], -INFINITY, L, rounding);
+            gu[m * 2 * I + I + i] = save_for_clamp(a[I + i], -L, L, rounding);
+          } else {
+            gu[m * 2 * I + i] = store(a[i], rounding);
+            gu[m * 2 * I + I + i] = store(a[I + i], rounding);
+          }
         }
       }
     }

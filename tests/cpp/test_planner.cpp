@@ -1,1 +1,131 @@
+// Planner heuristics on the preset shapes, checked against hand-computed values.
 #include <gtest/gtest.h>
+
+#include "mok/core/error.h"
+#include "mok/core/planner.h"
+#include "mok/core/presets.h"
+
+namespace mok {
+namespace {
+
+TEST(Planner, KimiK2OnTwoH200s) {
+  const MoeConfig c = plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200());
+  // 372 GB/s / 24 GB/s per SM = 15.5 -> 16 comm SMs (even), 116 compute SMs.
+  EXPECT_EQ(c.comm_sms, 16);
+  EXPECT_EQ(c.compute_sms, 116);
+  // gate|up: 2I = 4096 -> 16 tiles of 256; down: H = 7168 -> 28. Two waves over 116 SMs need
+  // 232 tiles -> ceil(232/16) = 15 row tiles of 128 = 1920 rows.
+  EXPECT_EQ(c.minibatch_rows, 1920);
+  // Ring row: max(fwd 4H+6I, bwd 6H+12I) = 6*7168 + 12*2048 = 67584 bytes. 512 MiB / 67584 =
+  // 7943 rows -> 4 minibatches = 7680.
+  EXPECT_EQ(c.ring_row_bytes, 67584);
+  EXPECT_EQ(c.ring_rows, 7680);
+  EXPECT_EQ(c.expected_rows, 8192 * 8);
+  EXPECT_FALSE(c.keeps_forward_context);
+  // 6 * (T*k*I + T*Is) * H = 6 * 7168 * 2048 * (65536 + 8192).
+  EXPECT_DOUBLE_EQ(c.forward.flops, 6.0 * 7168 * 2048 * (65536 + 8192));
+  EXPECT_STREQ(c.forward.bound_by, "GEMM");
+  EXPECT_NEAR(c.forward.floor_ms, c.forward.flops / 790e12 * 1e3, 1e-9);
+  // Per direction: T*k rows of H bf16, half of them remote, in both dispatch and combine.
+  EXPECT_DOUBLE_EQ(c.forward.nvlink_bytes, 2.0 * 65536 * 7168 * 2 * 0.5);
+  EXPECT_NE(c.explanation.find("minibatch: 1920 rows"), std::string::npos) << c.explanation;
+}
+
+TEST(Planner, OneRankUsesALocalGather) {
+  const MoeConfig c = plan(find_preset("kimi-k2").desc(1, 8192), DeviceFacts::h200());
+  EXPECT_EQ(c.comm_sms, 4);
+  // 256 tiles over 16 column tiles -> 16 row tiles.
+  EXPECT_EQ(c.minibatch_rows, 2048);
+  EXPECT_EQ(c.forward.nvlink_bytes, 0.0);
+}
+
+TEST(Planner, NarrowestGemmDecides) {
+  // qwen3-30b-a3b: 2I = 1536 -> 6 tiles, H = 2048 -> 8 tiles: ceil(232/6) = 39 row tiles.
+  EXPECT_EQ(plan(find_preset("qwen3-30b-a3b").desc(2, 2048), DeviceFacts::h200()).minibatch_rows, 39 * 128);
+  // mixtral: down (H = 4096 -> 16 tiles) is narrower than gate|up (2I = 28672 -> 112 tiles).
+  EXPECT_EQ(plan(find_preset("mixtral-8x7b").desc(2, 8192), DeviceFacts::h200()).minibatch_rows, 1920);
+}
+
+TEST(Planner, SmallBatchesTakeOneMinibatch) {
+  const MoeConfig c = plan(find_preset("tiny").desc(2, 10), DeviceFacts::h200());
+  EXPECT_EQ(c.minibatch_rows, 128);  // 20 expected rows, one row tile
+  EXPECT_TRUE(c.keeps_forward_context);
+  const MoeConfig empty = plan(find_preset("tiny").desc(2, 0), DeviceFacts::h200());
+  EXPECT_EQ(empty.minibatch_rows, 128);
+  EXPECT_GE(empty.ring_rows, empty.minibatch_rows);
+}
+
+TEST(Planner, RingIsCappedByTheWorstCaseAndRaisedToOneMinibatch) {
+  // tiny at T=100, R=2: at most R*T*k = 400 rows (+ padding) can arrive.
+  const MoeConfig c = plan(find_preset("tiny").desc(2, 100), DeviceFacts::h200());
+  EXPECT_EQ(c.minibatch_rows, 256);
+  // Capacity 400 + 4 experts * 127 padding = 908 rows -> 4 minibatches of 256; the budget
+  // (512 MiB) would hold far more.
+  EXPECT_EQ(c.ring_rows, 1024);
+  PlanOverrides tight;
+  tight.ring_budget_bytes = 1;
+  const MoeConfig t = plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200(), tight);
+  EXPECT_EQ(t.ring_rows, t.minibatch_rows);
+  EXPECT_NE(t.explanation.find("raised to one minibatch"), std::string::npos);
+}
+
+TEST(Planner, OverridesAreHonouredAndChecked) {
+  const MoeDesc d = find_preset("glm-5.2").desc(2, 4096);
+  PlanOverrides ov;
+  ov.comm_sms = 20;
+  ov.minibatch_rows = 512;
+  ov.ring_rows = 2048;
+  const MoeConfig c = plan(d, DeviceFacts::h200(), ov);
+  EXPECT_EQ(c.comm_sms, 20);
+  EXPECT_EQ(c.compute_sms, 112);
+  EXPECT_EQ(c.minibatch_rows, 512);
+  EXPECT_EQ(c.ring_rows, 2048);
+  PlanOverrides bad;
+  bad.minibatch_rows = 100;
+  EXPECT_THROW(plan(d, DeviceFacts::h200(), bad), InvalidArgument);
+  bad = {};
+  bad.ring_rows = 1000;
+  EXPECT_THROW(plan(d, DeviceFacts::h200(), bad), InvalidArgument);
+  bad = {};
+  bad.comm_sms = 132;
+  EXPECT_THROW(plan(d, DeviceFacts::h200(), bad), InvalidArgument);
+}
+
+TEST(Planner, EveryPresetPlansAtTwoAndSixtyFourRanks) {
+  for (const ModelPreset& p : model_presets()) {
+    for (int64_t R : {2, 64}) {
+      const MoeDesc d = p.desc(R, 2048);
+      if (p.num_experts % R != 0) {
+        EXPECT_THROW(plan(d, DeviceFacts::h200()), InvalidArgument) << p.name << " R=" << R;
+        continue;
+      }
+      const MoeConfig c = plan(d, DeviceFacts::h200());
+      EXPECT_GT(c.minibatch_rows, 0);
+      EXPECT_EQ(c.minibatch_rows % c.tiles.block_m, 0);
+      EXPECT_EQ(c.ring_rows % c.minibatch_rows, 0);
+      EXPECT_GT(c.forward.floor_ms, 0.0) << p.name;
+      EXPECT_GE(c.backward.floor_ms, c.forward.floor_ms) << p.name;
+      EXPECT_GE(c.schedule_capacity_rows, R * 2048 * p.topk);
+    }
+  }
+}
+
+TEST(Planner, SymmetricBytes) {
+  MoeDesc d;
+  d.tokens_per_rank = 4;
+  d.hidden = 64;
+  d.intermediate = 32;
+  d.num_experts = 2;
+  d.topk = 2;
+  // x 512, idx 32->256, w 32->256, combine 1024, dy 512, dx slots 1024, dw 32->256, + 4096.
+  EXPECT_EQ(symmetric_bytes(d), 512 + 256 + 256 + 1024 + 512 + 1024 + 256 + 4096);
+}
+
+TEST(Planner, FormatsBytes) {
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(3.0 * (1 << 30)), "3.00 GiB");
+}
+
+}  // namespace
+}  // namespace mok

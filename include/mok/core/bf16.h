@@ -32,4 +32,19 @@ inline bf16 float_to_bf16(float f) {
 // The float nearest to f that a bf16 can hold: what a GPU epilogue's bf16 store keeps.
 inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// The smallest bf16 value strictly greater than finite v.
+inline float bf16_next_above(float v) {
+  bf16 b = float_to_bf16(v);
+  const float f = bf16_to_float(b);
+  if (f > v) return f;
+  if (f == 0.0f) return bf16_to_float(bf16{0x0001});
+  b.bits = static_cast<uint16_t>((b.bits & 0x8000u) ? b.bits - 1 : b.bits + 1);
+  return bf16_to_float(b);
+}
+// The largest bf16 value <= finite v.
+inline float bf16_at_most(float v) {
+  const float f = round_to_bf16(v);
+  return f <= v ? f : -bf16_next_above(-v);
+}
+
 }  // namespace mok

@@ -7,7 +7,9 @@
 // bf16 exactly where the GPU path stores bf16 (the "rounding points" below); with
 // Rounding::none the layer is an exact function of its inputs (used for finite differences).
 //
-// Rounding points, forward:   gu = [g|u] saved for backward (bf16), h = act(g, u) from the
+// Rounding points, forward:   gu = [g|u] saved for backward (bf16; with a limit, a value within
+//   one bf16 step of it is saved on its own side of the limit, so the backward's clamp decision
+//   is the forward's), h = act(g, u) from the
 //   unrounded g, u (bf16), y_expert (bf16), y_shared (bf16), y = y_shared + sum_j w_j*y_j (bf16).
 // Backward (dy unscaled; w = the row's router weight):
 //   dh = dy * W_down (fp32), d w = sum_i dh[i]*h[i] (fp32),

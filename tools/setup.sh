@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what building and testing MoK needs on a fresh Debian machine (CI's kind):
+# the C++ toolchain and GoogleTest from Debian, and a Python environment with PyTorch (pinned to
+# the GPU machine's 2.11), the CUTLASS/CuTe headers (nvidia-cutlass wheel, pinned) and pytest.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v g++ >/dev/null || need_apt+=(g++)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]} from Debian"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if [ ! -x "$MOK_VENV/bin/python" ]; then
+  echo "setup: creating the Python environment at $MOK_VENV"
+  python3 -m venv "$MOK_VENV"
+fi
+if ! "$MOK_VENV/bin/python" -c "import torch, numpy, pytest, matplotlib, tqdm, cutlass_library" 2>/dev/null; then
+  echo "setup: installing Python packages into $MOK_VENV (PyTorch is a large download, once)"
+  "$MOK_VENV/bin/pip" install -q --disable-pip-version-check -r "$MOK_ROOT/requirements.txt"
+fi
