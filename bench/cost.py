@@ -34,6 +34,7 @@ class RoutingLoad:
     """Slot counts between ranks: ``send[src][dst]`` = (token, j) slots of src's tokens routed to dst's experts."""
 
     send: list[list[int]]
+    max_rows_per_expert: int  # most slots (all ranks' tokens) routed to one expert
 
     @property
     def ranks(self) -> int:

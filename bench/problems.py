@@ -81,11 +81,12 @@ def layer_routing(case: Case, preset: Preset, rank: int) -> tuple[torch.Tensor, 
 
 
 def routing_load(rt: Runtime, topk_idx: torch.Tensor, preset: Preset) -> RoutingLoad:
-    """The global slot-count matrix send[src][dst], gathered from every rank."""
+    """The global slot-count matrix send[src][dst] and the busiest expert's rows, gathered from every rank."""
     local_experts = preset.E // rt.world_size
-    per_dst = torch.bincount(topk_idx.reshape(-1) // local_experts, minlength=rt.world_size)
-    gathered = rt.all_gather_tensor(per_dst.to(rt.device).unsqueeze(0))  # [R, R]
-    return RoutingLoad([[int(v) for v in row] for row in gathered.tolist()])
+    per_expert = torch.bincount(topk_idx.reshape(-1), minlength=preset.E)
+    gathered = rt.all_gather_tensor(per_expert.to(rt.device).unsqueeze(0)).cpu()  # [R (src), E]
+    send = gathered.view(rt.world_size, rt.world_size, local_experts).sum(-1)  # [src, dst]
+    return RoutingLoad([[int(v) for v in row] for row in send.tolist()], int(gathered.sum(0).max()))
 
 
 def layer_problem_bytes(case: Case, preset: Preset, load: RoutingLoad) -> int:
@@ -96,7 +97,7 @@ def layer_problem_bytes(case: Case, preset: Preset, load: RoutingLoad) -> int:
     inputs = 2 * T * H * BF16_BYTES + 2 * T * k * 8
     grad_bytes_per_elem = 4 if 2 * weights <= FP32_WEIGHT_GRAD_LIMIT_BYTES else 2
     reference_kept = 2 * T * H * 4 + weights // BF16_BYTES * grad_bytes_per_elem
-    rows_per_expert_max = R * T  # distinct ids per token: an expert sees each token at most once
+    rows_per_expert_max = load.max_rows_per_expert
     reference_peak = (
         2 * R * T * H * BF16_BYTES  # gathered x, d_y
         + 2 * R * T * H * 4  # partial y, d_x

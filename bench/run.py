@@ -176,28 +176,38 @@ class CaseSetup:
     load_summary: dict[str, Any]
 
 
-def _setup_case(case: Case, rt: Runtime) -> CaseSetup:
-    """Inputs, reference and declared costs of a case (raises Skip when it would not fit in memory)."""
+def _plan_case(case: Case, rt: Runtime) -> Any:
+    """Routing (layer) and the memory check, before anything big is allocated. Raises Skip if it won't fit."""
     preset = get_preset(case.preset)
     free = rt.free_memory_bytes()
     if case.kind == "layer":
         topk_idx, topk_w = layer_routing(case, preset, rt.rank)
         load = routing_load(rt, topk_idx, preset)
         need = layer_problem_bytes(case, preset, load)
-        if free is not None and need > MEMORY_FRACTION * free:
-            raise Skip(f"inputs + reference need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+        plan: Any = (topk_idx, topk_w, load)
+    else:
+        need = experts_problem_bytes(case, preset)
+        plan = None
+    if free is not None and need > MEMORY_FRACTION * free:
+        raise Skip(f"inputs + reference need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    return plan
+
+
+def _setup_case(case: Case, rt: Runtime, plan: Any) -> CaseSetup:
+    """Inputs, reference and declared costs of a case."""
+    preset = get_preset(case.preset)
+    if case.kind == "layer":
+        topk_idx, topk_w, load = plan
         problem = build_layer_problem(case, rt, topk_idx, topk_w, load)
         expected = layer_reference(problem, rt)
         costs = {p: layer_cost(preset, case.tokens_per_rank or 0, load, p) for p in PASSES}
         summary = {
             "rows_per_rank": [load.rows_received(r) for r in range(load.ranks)],
             "remote_rows_in": [load.remote_in(r) for r in range(load.ranks)],
+            "max_rows_per_expert": load.max_rows_per_expert,
         }
         names = LAYER_GRAD_NAMES[: len(problem.grad_targets)]
     else:
-        need = experts_problem_bytes(case, preset)
-        if free is not None and need > MEMORY_FRACTION * free:
-            raise Skip(f"inputs + reference need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
         problem = build_experts_problem(case, rt)
         expected = experts_reference(problem)
         costs = {p: experts_cost(preset, problem.counts, p) for p in PASSES}
@@ -282,7 +292,13 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
     rows: list[dict[str, Any]] = []
     case_start = time.perf_counter()
 
-    setup_step = agreed_step(rt, f"setup of {case.label}", lambda: _setup_case(case, rt))
+    # Phases are separate agreed steps: a rank that skips must not leave the others alone inside
+    # the next phase's collectives.
+    setup_step = agreed_step(rt, f"plan of {case.label}", lambda: _plan_case(case, rt))
+    if setup_step.status == OK:
+        plan = setup_step.value
+        setup_step = agreed_step(rt, f"setup of {case.label}", lambda: _setup_case(case, rt, plan))
+        del plan
     if setup_step.status != OK:
         for spec in specs:
             for pass_name in case.passes:
@@ -301,15 +317,16 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
     for spec in specs:
         impl_start = time.perf_counter()
 
-        def build() -> Runner:
+        def check_memory() -> None:
             if spec.memory_bytes is not None and rt.is_cuda:
                 need = spec.memory_bytes(setup.problem, ctx)
                 free = rt.free_memory_bytes() or 0
                 if need > MEMORY_FRACTION * free:
                     raise Skip(f"needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-            return spec.build(setup.problem, ctx)
 
-        build_step = agreed_step(rt, f"{spec.name} build on {case.label}", build)
+        build_step = agreed_step(rt, f"{spec.name} memory check on {case.label}", check_memory)
+        if build_step.status == OK:
+            build_step = agreed_step(rt, f"{spec.name} build on {case.label}", lambda: spec.build(setup.problem, ctx))
         runner: Runner | None = build_step.value
         check_step = StepResult(build_step.status, None, build_step.message)
         correct: bool | None = None
@@ -433,9 +450,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iter-budget-s", type=float, default=None, help="timed seconds per (case, impl, pass) (default 1.0 GPU)")
     ap.add_argument("--symm-backend", choices=("auto", "CUDA", "NVSHMEM"), default="auto",
                     help="symmetric-memory backend: auto = NVSHMEM when symm_a2a will run and NVSHMEM is available")
-    ap.add_argument("--symm-workspace-gb", type=float, default=16.0,
+    ap.add_argument("--symm-workspace-gb", type=float, default=8.0,
                     help="most memory the symm_a2a send/recv buffers may take (allocated once, kept for the run)")
-    ap.add_argument("--collective-timeout-s", type=float, default=600.0, help="a hung collective aborts the run after this")
+    ap.add_argument("--collective-timeout-s", type=float, default=240.0,
+                    help="a collective that waits longer aborts the run (results so far are already written)")
     ap.add_argument("--list", action="store_true", help="print the selected cases and impls, run nothing")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap.parse_args(argv)

@@ -6,12 +6,14 @@ An implementation is a function ``build(problem, ctx) -> Runner`` registered wit
 
 ``build`` may raise :class:`Skip` (the impl cannot run this case on this machine: missing package,
 unsupported precision, too little memory); the reason is recorded and the run goes on. Any other
-exception is recorded as an error of that (case, impl).
+exception is recorded as an error of that (case, impl). Modules outside this package can register
+impls too: name them in the environment variable ``MOK_BENCH_EXTRA_IMPLS`` (comma-separated).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -83,6 +85,8 @@ def register_impl(
     return decorate
 
 
+EXTRA_IMPLS_ENV = "MOK_BENCH_EXTRA_IMPLS"
+
 # Modules imported first, so that rows and plots list the baselines in this order; others follow by name.
 PREFERRED_ORDER = ("torch_a2a", "symm_a2a", "deepep", "torch_grouped_mm", "mok_kernels")
 
@@ -93,6 +97,9 @@ def load_impls() -> dict[str, ImplSpec]:
     names.sort(key=lambda n: (PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER), n))
     for name in names:
         importlib.import_module(f"{__name__}.{name}")
+    # Out-of-tree impls: comma-separated importable module names that call register_impl.
+    for module in filter(None, os.environ.get(EXTRA_IMPLS_ENV, "").split(",")):
+        importlib.import_module(module.strip())
     return IMPLS
 
 

@@ -31,7 +31,8 @@ from ..cost import BF16_BYTES
 from . import BenchContext, Runner, Skip, autograd_runner, register_impl
 from ._common import grouped_swiglu_mlp, layer_activation_bytes, shared_expert, weighted_slot_sum
 
-META_COLS = 16  # 32 bytes per row for the local expert id: keeps rows 16-byte aligned
+META_COLS = 32  # 64 bytes per row for the local expert id (see the block-split note in SymmWorkspace)
+MIN_BUFFER_BYTES = 8 << 20
 WORKSPACE_KEY = "symm_a2a.workspace"
 
 
@@ -46,7 +47,14 @@ def workspace_bytes_for(case: Any, preset: Any) -> int:
 
 
 class SymmWorkspace:
-    """Symmetric send/recv buffers and split counters, allocated once and reused by every case."""
+    """Symmetric send/recv buffers and split counters, allocated once and reused by every case.
+
+    Block-split note: all_to_all_vdev sizes its grid from the input tensor's bytes and, in the
+    torch versions we read, splits each peer's bytes evenly over ``blocks / R`` blocks, asserting
+    that the division is exact. Handing it a view of the whole buffer (>= 8 MiB, so the grid is
+    always its maximum of 64 blocks) with rows whose byte size is a multiple of 64 makes every split
+    exact: ``rows * row_bytes`` is then divisible by 64 / R.
+    """
 
     def __init__(self, runtime: Any, capacity_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -54,7 +62,7 @@ class SymmWorkspace:
         self.runtime = runtime
         self.group_name = runtime.group.group_name
         R, device = runtime.world_size, runtime.device
-        numel = max(capacity_bytes // (2 * BF16_BYTES), 1)
+        numel = max(capacity_bytes // 2, MIN_BUFFER_BYTES) // BF16_BYTES
         try:
             symm_mem.enable_symm_mem_for_group(self.group_name)
         except Exception:  # not needed on newer torch
@@ -68,17 +76,27 @@ class SymmWorkspace:
         self.capacity_bytes = 2 * numel * BF16_BYTES
         runtime.barrier()
 
-    def send_rows(self, rows: int, width: int) -> torch.Tensor:
-        return self.send[: rows * width].view(rows, width)
+    def _rows(self, buffer: torch.Tensor, width: int) -> torch.Tensor:
+        if (width * BF16_BYTES) % 64:
+            raise ValueError(f"row of {width} bf16 is not a multiple of 64 bytes")
+        rows = buffer.numel() // width
+        return buffer[: rows * width].view(rows, width)
 
-    def exchange(self, send_rows: int, width: int, in_splits: torch.Tensor, recv_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send the first ``send_rows`` rows of the send buffer; returns (recv [recv_rows, width], rows received per source)."""
+    def send_rows(self, rows: int, width: int) -> torch.Tensor:
+        return self._rows(self.send, width)[:rows]
+
+    def exchange(self, width: int, in_splits: torch.Tensor, recv_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send rows from the top of the send buffer (``in_splits[r]`` rows to rank r, in rank order).
+
+        Returns (the first ``recv_rows`` rows of the recv buffer, rows received from each source);
+        received rows are packed from row 0 in source-rank order.
+        """
         self.in_splits.copy_(in_splits)
-        recv = self.recv[: recv_rows * width].view(recv_rows, width)
+        recv = self._rows(self.recv, width)
         torch.ops.symm_mem.all_to_all_vdev(
-            self.send_rows(send_rows, width), recv, self.in_splits, self.out_splits_offsets, self.group_name
+            self._rows(self.send, width), recv, self.in_splits, self.out_splits_offsets, self.group_name
         )
-        return recv, self.out_splits_offsets[0].clone()
+        return recv[:recv_rows], self.out_splits_offsets[0].clone()
 
     def barrier(self) -> None:
         self.runtime.stream_barrier()
@@ -102,7 +120,7 @@ class _SymmDispatch(torch.autograd.Function):
         send = ws.send_rows(n, width)
         send[:, :H].copy_(x.index_select(0, src_token))
         send[:, H].view(torch.int16).copy_(local_expert.to(torch.int16))
-        recv, recv_counts = ws.exchange(n, width, send_counts, capacity)
+        recv, recv_counts = ws.exchange(width, send_counts, capacity)
         row = torch.arange(capacity, device=x.device)
         expert = torch.where(
             row < recv_counts.sum(), recv[:, H].view(torch.int16).long(), torch.full_like(row, num_local_experts)
@@ -124,7 +142,7 @@ class _SymmDispatch(torch.autograd.Function):
         capacity, H = d_x_sorted.shape
         ws.barrier()
         ws.send_rows(capacity, H).index_copy_(0, expert_order, d_x_sorted)  # back to arrival order
-        recv, _ = ws.exchange(capacity, H, recv_counts, capacity)  # rows land in their send order
+        recv, _ = ws.exchange(H, recv_counts, capacity)  # rows land in their send order
         d_x = torch.zeros(ctx.num_tokens, H, dtype=d_x_sorted.dtype, device=d_x_sorted.device)
         d_x.index_add_(0, src_token, recv[: src_token.numel()])
         return d_x, None, None, None, None, None, None
@@ -145,7 +163,7 @@ class _SymmCombine(torch.autograd.Function):
         n = slot_order.numel()
         ws.barrier()
         ws.send_rows(capacity, H).index_copy_(0, expert_order, y_sorted)
-        recv, _ = ws.exchange(capacity, H, recv_counts, capacity)
+        recv, _ = ws.exchange(H, recv_counts, capacity)
         y_slots = torch.empty(n, H, dtype=y_sorted.dtype, device=y_sorted.device)
         y_slots.index_copy_(0, slot_order, recv[:n])
         ctx.save_for_backward(expert_order, send_counts, slot_order)
@@ -159,7 +177,7 @@ class _SymmCombine(torch.autograd.Function):
         n, H = d_y_slots.shape
         ws.barrier()
         ws.send_rows(n, H).copy_(d_y_slots.index_select(0, slot_order))
-        recv, _ = ws.exchange(n, H, send_counts, ctx.capacity)
+        recv, _ = ws.exchange(H, send_counts, ctx.capacity)
         return recv.index_select(0, expert_order), None, None, None, None, None
 
 
@@ -207,8 +225,14 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
         raise Skip(f"all_to_all_vdev needs the NVSHMEM symmetric-memory backend; this run uses {backend!r} (--symm-backend)")
     if problem.local_experts > 32767:
         raise Skip("local expert ids travel as int16")
+    if (problem.preset.H * BF16_BYTES) % 64:
+        raise Skip(f"H={problem.preset.H}: rows must be a multiple of 64 bytes for all_to_all_vdev's block split")
+    return layer_runner(problem, _workspace(problem, ctx))
+
+
+def layer_runner(problem: Any, ws: SymmWorkspace) -> Runner:
+    """The baseline on one problem with a given workspace (any object with SymmWorkspace's methods)."""
     p = problem
-    ws = _workspace(p, ctx)
     R, El, k = p.ranks, p.local_experts, p.preset.topk
     capacity = _rows_capacity(p.case, R, p.preset)
 

@@ -1,0 +1,175 @@
+"""The benchmark harness's plumbing, end to end on the CPU: `bench.run --smoke` (1 and 2 processes) and `bench.render`.
+
+Also checks that the harness catches a wrong implementation and survives one that raises, using
+two impls plugged in from outside the package (MOK_BENCH_EXTRA_IMPLS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+TOP_LEVEL_FIELDS = ("device", "num_gpus", "commit", "command", "torch", "cuda", "ceilings", "cases")
+CEILING_FIELDS = ("bf16_tflops", "hbm_gbps", "nvlink_read_gbps", "nvlink_write_gbps")
+ROW_FIELDS = (
+    "preset", "ranks", "tokens_per_rank", "precision", "pass", "routing", "impl",
+    "median_ms", "tflops", "floor_ms", "correct", "status", "kind",
+)
+
+TEST_IMPLS = textwrap.dedent(
+    '''
+    """Test impls: one returns a wrong output, one raises while building, and symm_a2a's
+    dispatch/combine logic running over an all_to_all_vdev emulated with gloo (the real op needs
+    NVSHMEM GPUs)."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.impls import autograd_runner, register_impl
+    from bench.impls import symm_a2a
+    from bench.impls.torch_a2a import build as torch_a2a_build
+
+
+    class GlooWorkspace(symm_a2a.SymmWorkspace):
+        """Plain CPU buffers; exchange() has all_to_all_vdev's contract, done with all_to_all_single."""
+
+        def __init__(self, runtime, capacity_bytes):
+            self.runtime = runtime
+            numel = max(capacity_bytes // 2, symm_a2a.MIN_BUFFER_BYTES) // 2
+            self.send = torch.zeros(numel, dtype=torch.bfloat16)
+            self.recv = torch.zeros(numel, dtype=torch.bfloat16)
+            self.capacity_bytes = 2 * numel * 2
+
+        def exchange(self, width, in_splits, recv_rows):
+            recv_counts = torch.empty_like(in_splits)
+            dist.all_to_all_single(recv_counts, in_splits)
+            sends, recvs = in_splits.tolist(), recv_counts.tolist()
+            send, recv = self._rows(self.send, width), self._rows(self.recv, width)
+            dist.all_to_all_single(recv[: sum(recvs)], send[: sum(sends)], recvs, sends)
+            return recv[:recv_rows], recv_counts
+
+
+    @register_impl("symm_a2a_gloo_emulated", "layer", is_baseline=False)
+    def build_symm_emulated(problem, ctx):
+        need = symm_a2a.workspace_bytes_for(problem.case, problem.preset)
+        return symm_a2a.layer_runner(problem, GlooWorkspace(ctx.runtime, need))
+
+
+    @register_impl("wrong_output_for_test", "layer", is_baseline=False)
+    def build_wrong(problem, ctx):
+        inner = torch_a2a_build(problem, ctx)
+        return autograd_runner(problem, lambda: inner.forward() * 1.1)
+
+
+    @register_impl("raises_for_test", "layer", is_baseline=False)
+    def build_raising(problem, ctx):
+        raise RuntimeError("deliberate failure")
+    '''
+)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "bench_test_impls.py").write_text(TEST_IMPLS)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["MOK_BENCH_EXTRA_IMPLS"] = "bench_test_impls"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+def _check_results(path: Path, ranks: int) -> dict:
+    doc = json.loads(path.read_text())
+    for field in TOP_LEVEL_FIELDS:
+        assert field in doc, field
+    assert doc["num_gpus"] == 0 and doc["world_size"] == ranks
+    assert doc["ceilings"]["measured_on"] == "cpu"
+    for field in CEILING_FIELDS:
+        assert field in doc["ceilings"], field
+    assert doc["ceilings"]["bf16_tflops"] > 0 and doc["ceilings"]["nvlink_read_gbps"] is None
+    assert "bench.run" in doc["command"]
+    rows = doc["cases"]
+    assert rows and all(r["ranks"] == ranks for r in rows)
+    for row in rows:
+        for field in ROW_FIELDS:
+            assert field in row, (field, row)
+        if row["status"] == "skipped":
+            assert row["skip_reason"]
+    ran = [r for r in rows if r["status"] == "ok" and r["baseline"]]
+    assert {r["impl"] for r in ran} >= {"torch_a2a"}
+    for row in ran:
+        assert row["correct"] is True, row
+        assert row["median_ms"] > 0 and row["tflops"] > 0 and row["floor_ms"] > 0
+        assert max(row["check_errors"].values()) <= row["tolerance"]
+    assert {r["pass"] for r in ran} == {"forward", "backward", "both"}
+    assert {r["routing"] for r in ran} >= {"balanced", "zipf", "all_to_one"}
+
+    wrong = [r for r in rows if r["impl"] == "wrong_output_for_test"]
+    assert wrong and all(r["correct"] is False for r in wrong)
+    raising = [r for r in rows if r["impl"] == "raises_for_test"]
+    assert raising and all(r["status"] == "error" and "deliberate failure" in r["error"] for r in raising)
+    for impl in ("symm_a2a", "deepep", "mok"):
+        assert all(r["status"] == "skipped" for r in rows if r["impl"] == impl), impl
+    emulated = [r for r in rows if r["impl"] == "symm_a2a_gloo_emulated"]
+    assert emulated and all(r["status"] == "ok" and r["correct"] is True for r in emulated), emulated
+    assert path.with_suffix(".log").stat().st_size > 0
+    return doc
+
+
+def test_smoke_single_process_and_render(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    out = tmp_path / "smoke1.json"
+    _run([sys.executable, "-m", "bench.run", "--cases", "smoke:ranks=1", "--smoke", "--out", str(out)], env)
+    doc = _check_results(out, ranks=1)
+    experts = [r for r in doc["cases"] if r["kind"] == "experts" and r["impl"] == "torch_grouped_mm"]
+    assert experts and all(r["status"] == "ok" and r["correct"] for r in experts)
+
+    _run([sys.executable, "-m", "bench.render", str(out)], env)
+    md = (tmp_path / "smoke1.md").read_text()
+    assert "| torch_a2a |" in md and "| torch_grouped_mm |" in md and "**NO**" in md
+    pngs = sorted(tmp_path.glob("smoke1_*.png"))
+    assert any("throughput" in p.name for p in pngs) and any("vs_best" in p.name for p in pngs)
+    assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_smoke_two_processes_gloo(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    out = tmp_path / "smoke2.json"
+    _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "bench.run", "--cases", "smoke:ranks=2", "--smoke", "--out", str(out)],
+        env,
+    )
+    doc = _check_results(out, ranks=2)
+    remote = [r for r in doc["cases"] if r["impl"] == "torch_a2a" and r["status"] == "ok"]
+    assert all(r["nvlink_bytes"] > 0 for r in remote if r["routing"] != "all_to_one") or not remote
+    assert all(len(r["rank_median_ms"]) == 2 for r in remote)
+
+
+def test_case_tables_are_well_formed() -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.cases import TABLES, select_cases
+    from bench.presets import PRESETS
+
+    assert set(TABLES) >= {"smoke", "baselines_1gpu", "baselines_2gpu", "experts_1gpu"}
+    b2 = TABLES["baselines_2gpu"]
+    assert {c.preset for c in b2} >= set(PRESETS) - {"small", "tiny"}
+    assert {c.tokens_per_rank for c in b2 if c.routing == "balanced"} == {2048, 8192, 32768}
+    assert all(c.ranks == 2 for c in b2)
+    assert {c.routing for c in b2} == {"balanced", "zipf", "all_to_one"}
+    assert select_cases("baselines_2gpu:preset=kimi-k2,tokens=2048")[0].preset == "kimi-k2"
+    with pytest.raises(ValueError):
+        select_cases("baselines_2gpu:nonsense=1")
+    for name, p in PRESETS.items():
+        assert p.name == name and p.E > 0 and p.topk <= p.E
