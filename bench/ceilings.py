@@ -23,6 +23,10 @@ from .runtime import Runtime
 
 NVLINK_BUFFER_BYTES = 256 * 1024 * 1024  # 268 MB
 
+# Symmetric buffers live until the process exits: freeing one may be collective (nvshmem_free), and
+# ranks must not do that at different times through the caching allocator.
+_KEEP_ALIVE: list[object] = []
+
 
 def _median_ms(rt: Runtime, fn: Callable[[], object], warmup: int, iters: int, all_ranks: bool) -> float:
     """Median over iterations of the slowest rank's time (all_ranks) or of this rank's time."""
@@ -84,7 +88,7 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, float]:
     if float(symm_buf[0]) != float(left) or float(symm_buf[-1]) != float(left):
         raise RuntimeError(f"peer write check failed: expected {left}, got {float(symm_buf[0])}")
     rt.barrier()
-    del remote, handle, symm_buf
+    _KEEP_ALIVE.extend((symm_buf, handle))
     return result
 
 

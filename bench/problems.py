@@ -20,7 +20,7 @@ from .runtime import Runtime
 
 LAYER_GRAD_NAMES = ("d_x", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down", "d_s_gate", "d_s_up", "d_s_down")
 EXPERTS_GRAD_NAMES = ("d_x", "d_w_gate", "d_w_up", "d_w_down")
-FP32_WEIGHT_GRAD_LIMIT_BYTES = 4 << 30  # above this the reference stores weight gradients in bf16
+REFERENCE_WEIGHT_GRAD_BYTES = 2 << 30  # the reference keeps fp32 weight gradients of at most this many bytes
 
 
 def _seed(case: Case, rank: int, stream: int) -> int:
@@ -95,8 +95,7 @@ def layer_problem_bytes(case: Case, preset: Preset, load: RoutingLoad) -> int:
     El = preset.E // R
     weights = weight_bytes(preset, El)
     inputs = 2 * T * H * BF16_BYTES + 2 * T * k * 8
-    grad_bytes_per_elem = 4 if 2 * weights <= FP32_WEIGHT_GRAD_LIMIT_BYTES else 2
-    reference_kept = 2 * T * H * 4 + weights // BF16_BYTES * grad_bytes_per_elem
+    reference_kept = 2 * T * H * 4 + min(2 * weights, REFERENCE_WEIGHT_GRAD_BYTES + 3 * I * H * 4)
     rows_per_expert_max = load.max_rows_per_expert
     reference_peak = (
         2 * R * T * H * BF16_BYTES  # gathered x, d_y
@@ -140,10 +139,28 @@ def build_layer_problem(case: Case, rt: Runtime, topk_idx: torch.Tensor, topk_w:
 
 @dataclass
 class Expected:
-    """Reference output and gradients (named as LAYER_GRAD_NAMES / EXPERTS_GRAD_NAMES)."""
+    """Reference output and gradients (named as LAYER_GRAD_NAMES / EXPERTS_GRAD_NAMES).
+
+    Routed weight gradients cover the local experts in ``weight_grad_experts`` only (all of them
+    unless that would exceed REFERENCE_WEIGHT_GRAD_BYTES); compare ``grad[weight_grad_experts]``.
+    """
 
     y: torch.Tensor
     grads: dict[str, torch.Tensor]
+    weight_grad_experts: list[int]
+
+
+def sampled_experts(rows_per_expert: list[int], per_expert_bytes: int) -> list[int]:
+    """Local experts whose weight gradients the reference keeps: all if they fit the budget, else the
+    busiest, the least busy (often empty) and evenly spaced others."""
+    num = len(rows_per_expert)
+    keep = max(2, REFERENCE_WEIGHT_GRAD_BYTES // max(per_expert_bytes, 1))
+    if keep >= num:
+        return list(range(num))
+    busiest = max(range(num), key=rows_per_expert.__getitem__)
+    least_busy = min(range(num), key=rows_per_expert.__getitem__)
+    by_priority = [busiest, least_busy] + [i * num // keep for i in range(keep)]
+    return sorted(list(dict.fromkeys(by_priority))[:keep])
 
 
 def layer_reference(problem: LayerProblem, rt: Runtime) -> Expected:
@@ -154,16 +171,16 @@ def layer_reference(problem: LayerProblem, rt: Runtime) -> Expected:
     each rank keeps its own tokens; the shared expert is applied locally.
     """
     p = problem
-    weights = weight_bytes(p.preset, p.local_experts)
-    grad_dtype = torch.float32 if 2 * weights <= FP32_WEIGHT_GRAD_LIMIT_BYTES else torch.bfloat16
     with torch.no_grad():
         x_all = rt.all_gather_tensor(p.x.detach())
         idx_all = rt.all_gather_tensor(p.topk_idx)
+        local_rows = torch.bincount(idx_all.reshape(-1), minlength=p.preset.E)[p.first_expert : p.first_expert + p.local_experts]
+        kept = sampled_experts(local_rows.tolist(), 3 * p.preset.I * p.preset.H * 4)
         w_all = rt.all_gather_tensor(p.topk_w.detach())
         d_y_all = rt.all_gather_tensor(p.d_y)
         routed = testing.moe_reference_grads(
             x_all, idx_all, w_all, p.w_gate.detach(), p.w_up.detach(), p.w_down.detach(), d_y_all,
-            swiglu_limit=p.swiglu_limit, first_expert=p.first_expert, weight_grad_dtype=grad_dtype,
+            swiglu_limit=p.swiglu_limit, first_expert=p.first_expert, weight_grad_experts=kept,
         )
         del x_all, idx_all, w_all, d_y_all
         y = rt.reduce_scatter_sum(routed.y)
@@ -179,7 +196,7 @@ def layer_reference(problem: LayerProblem, rt: Runtime) -> Expected:
             d_x += d_x_shared
             grads.update(d_s_gate=dsg, d_s_up=dsu, d_s_down=dsd)
         grads["d_x"] = d_x
-    return Expected(y=y, grads=grads)
+    return Expected(y=y, grads=grads, weight_grad_experts=kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +253,8 @@ def experts_problem_bytes(case: Case, preset: Preset) -> int:
     counts = experts_counts(case, preset)
     M, H, I = sum(counts), preset.H, preset.I
     weights = 3 * len(counts) * I * H * BF16_BYTES
-    return weights + 2 * M * H * BF16_BYTES + 2 * M * H * 4 + weights * 2 + max(counts) * (4 * H + 6 * I) * 4
+    reference_grads = min(2 * weights, REFERENCE_WEIGHT_GRAD_BYTES + 3 * I * H * 4)
+    return weights + 2 * M * H * BF16_BYTES + 2 * M * H * 4 + reference_grads + max(counts) * (4 * H + 6 * I) * 4
 
 
 def build_experts_problem(case: Case, rt: Runtime) -> ExpertsProblem:
@@ -266,8 +284,11 @@ def experts_reference(problem: ExpertsProblem) -> Expected:
     """Rows through their expert in fp32: the layer reference with k = 1, weight 1, no shared expert."""
     p = problem
     M = p.x.shape[0]
+    kept = sampled_experts(p.counts, 3 * p.preset.I * p.preset.H * 4)
     ref = testing.moe_reference_grads(
         p.x.detach(), p.expert_of_row.unsqueeze(1), torch.ones(M, 1, device=p.x.device),
         p.w_gate.detach(), p.w_up.detach(), p.w_down.detach(), p.d_y, swiglu_limit=p.swiglu_limit,
+        weight_grad_experts=kept,
     )
-    return Expected(y=ref.y, grads={"d_x": ref.d_x, "d_w_gate": ref.d_w_gate, "d_w_up": ref.d_w_up, "d_w_down": ref.d_w_down})
+    grads = {"d_x": ref.d_x, "d_w_gate": ref.d_w_gate, "d_w_up": ref.d_w_up, "d_w_down": ref.d_w_down}
+    return Expected(y=ref.y, grads=grads, weight_grad_experts=kept)

@@ -83,7 +83,10 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
         x_send = p.x.index_select(0, slot_order // k)
         x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group) if R > 1 else x_send
         x_sorted = x_recv.index_select(0, expert_order)
-        y_sorted = grouped_swiglu_mlp(x_sorted, offs, p.w_gate, p.w_up, p.w_down, p.swiglu_limit)
+        if num_recv == 0:
+            # No rows for our experts: one padding row past every group keeps the GEMMs non-empty.
+            x_sorted = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])
+        y_sorted = grouped_swiglu_mlp(x_sorted, offs, p.w_gate, p.w_up, p.w_down, p.swiglu_limit)[:num_recv]
         y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
         y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
         y_slots = y_back.index_select(0, inverse_permutation(slot_order))

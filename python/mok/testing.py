@@ -241,7 +241,7 @@ class MoeGrads(NamedTuple):
     y: torch.Tensor  # [T,H] compute dtype
     d_x: torch.Tensor  # [T,H] compute dtype
     d_topk_w: torch.Tensor  # [T,k] compute dtype
-    d_w_gate: torch.Tensor  # [El,I,H] weight_grad_dtype
+    d_w_gate: torch.Tensor  # [El,I,H] weight_grad_dtype (or [len(weight_grad_experts),I,H])
     d_w_up: torch.Tensor  # [El,I,H] weight_grad_dtype
     d_w_down: torch.Tensor  # [El,H,I] weight_grad_dtype
     d_shared: SharedWeights | None  # weight_grad_dtype
@@ -288,6 +288,7 @@ def moe_reference_grads(
     compute_dtype: torch.dtype = torch.float32,
     first_expert: int = 0,
     weight_grad_dtype: torch.dtype | None = None,
+    weight_grad_experts: Sequence[int] | None = None,
 ) -> MoeGrads:
     """Forward and explicit backward of :func:`moe_reference`, one expert at a time, no autograd graph.
 
@@ -295,7 +296,9 @@ def moe_reference_grads(
     one expert's rows in ``compute_dtype`` and the outputs, which makes it usable at benchmark
     shapes (the autograd reference keeps every upcast weight alive). ``y``, ``d_x`` and ``d_topk_w``
     are returned in ``compute_dtype``; weight gradients in ``weight_grad_dtype`` (default: compute
-    dtype; bf16 halves their memory at a rounding cost of 2^-9 relative).
+    dtype; bf16 halves their memory at a rounding cost of 2^-9 relative). ``weight_grad_experts``
+    (local indices) keeps the weight gradients of those experts only, in that order — every expert
+    is still computed, so ``d_x`` and ``d_topk_w`` stay complete.
     """
     _check_layer_args(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     if d_y.shape != x.shape:
@@ -310,9 +313,11 @@ def moe_reference_grads(
     y = torch.zeros(num_tokens, hidden, dtype=compute_dtype, device=device)
     d_x = torch.zeros_like(y)
     d_topk_w = torch.zeros(num_tokens * topk, dtype=compute_dtype, device=device)
-    d_w_gate = torch.zeros(w_gate.shape, dtype=grad_dtype, device=device)
-    d_w_up = torch.zeros(w_up.shape, dtype=grad_dtype, device=device)
-    d_w_down = torch.zeros(w_down.shape, dtype=grad_dtype, device=device)
+    kept = list(range(w_gate.shape[0])) if weight_grad_experts is None else [int(e) for e in weight_grad_experts]
+    slot_of_expert = {e: i for i, e in enumerate(kept)}
+    d_w_gate = torch.zeros((len(kept),) + tuple(w_gate.shape[1:]), dtype=grad_dtype, device=device)
+    d_w_up = torch.zeros((len(kept),) + tuple(w_up.shape[1:]), dtype=grad_dtype, device=device)
+    d_w_down = torch.zeros((len(kept),) + tuple(w_down.shape[1:]), dtype=grad_dtype, device=device)
 
     with torch.no_grad():
         for e, count in enumerate(grouped.counts):
@@ -330,9 +335,10 @@ def moe_reference_grads(
             y.index_add_(0, tokens, slot_w * out)
             d_topk_w.index_copy_(0, slots, (d_y_rows * out).sum(dim=-1))
             d_x.index_add_(0, tokens, d_x_rows)
-            d_w_gate[e] = dwg.to(grad_dtype)
-            d_w_up[e] = dwu.to(grad_dtype)
-            d_w_down[e] = dwd.to(grad_dtype)
+            if e in slot_of_expert:
+                d_w_gate[slot_of_expert[e]] = dwg.to(grad_dtype)
+                d_w_up[slot_of_expert[e]] = dwu.to(grad_dtype)
+                d_w_down[slot_of_expert[e]] = dwd.to(grad_dtype)
 
         d_shared: SharedWeights | None = None
         if shared is not None:

@@ -155,6 +155,15 @@ def test_explicit_backward_matches_autograd(case):
         assert g.shape == e.shape
         assert rel(g, e) < 1e-12 or (T == 0 and float(g.abs().max(initial=0)) == 0)
 
+    # Keeping the weight gradients of a few experts only: same values, in the requested order.
+    kept = [E - 1, 0]
+    some = testing.moe_reference_grads(
+        x, p.topk_idx, w, wg, wu, wd, d_y, shared=tuple(shared) if shared else None,
+        swiglu_limit=limit, compute_dtype=torch.float64, weight_grad_experts=kept,
+    )
+    assert torch.equal(some.d_w_gate, got.d_w_gate[kept]) and torch.equal(some.d_w_down, got.d_w_down[kept])
+    assert torch.equal(some.d_x, got.d_x)
+
 
 def test_gradcheck_fp64_tiny():
     p = testing.random_problem(3, 3, 4, 3, 2, shared_intermediate=2, swiglu_limit=0.7, routing="duplicates", seed=5)
