@@ -133,7 +133,10 @@ def floor_of(cost: Cost, ceilings: dict[str, object]) -> Floor:
     hbm = ceilings.get("hbm_gbps")
     if isinstance(hbm, (int, float)) and hbm > 0:
         terms["hbm"] = cost.busiest_hbm_bytes / (hbm * 1e9)
-    link_rates = [v for v in (ceilings.get("nvlink_read_gbps"), ceilings.get("nvlink_write_gbps")) if isinstance(v, (int, float)) and v > 0]
+    link_rates = [
+        v for v in (ceilings.get("nvlink_read_gbps"), ceilings.get("nvlink_write_gbps"))
+        if isinstance(v, (int, float)) and v > 0
+    ]
     if cost.busiest_nvlink_bytes > 0 and link_rates:
         terms["nvlink"] = cost.busiest_nvlink_bytes / (max(link_rates) * 1e9)
     if not terms:

@@ -86,7 +86,8 @@ def markdown(doc: dict[str, Any]) -> str:
             "",
             f"## {kind} — {pass_name}",
             "",
-            f"| preset | R | {size_header} | routing | impl | ms | TFLOP/s | HBM GB/s | NVLink GB/s | floor ms | ×floor | vs best | correct |",
+            f"| preset | R | {size_header} | routing | impl | ms | TFLOP/s | HBM GB/s | NVLink GB/s "
+            "| floor ms | ×floor | vs best | correct |",
             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         not_run: dict[tuple[str, str, str], list[str]] = defaultdict(list)
@@ -104,9 +105,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 _fmt(r.get("nvlink_gbps"), ".4g"), floor, _fmt(r.get("time_over_floor"), ".2f"),
                 _fmt(vs_best(r, best), ".2f"), correct,
             ]
-            lines.append(
-                f"| {r.get('preset')} | {r.get('ranks')} | {_size(r)} | {r.get('routing')} | {r.get('impl')} | " + " | ".join(cells) + " |"
-            )
+            head = f"| {r.get('preset')} | {r.get('ranks')} | {_size(r)} | {r.get('routing')} | {r.get('impl')} | "
+            lines.append(head + " | ".join(cells) + " |")
         if not_run:
             lines += ["", "Not run:"]
             for (impl, status, reason), which in not_run.items():
@@ -188,7 +188,9 @@ def render(path: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.render", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.render", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("results", type=Path, nargs="+", help="results JSON file(s)")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
+from mok.testing import relative_error
 
 from . import REPO_ROOT
 from .cases import PASSES, Case, select_cases, with_passes
@@ -49,9 +50,14 @@ from .problems import (
     layer_routing,
     routing_load,
 )
-from .runtime import GPU_TIMING, SMOKE_TIMING, Runtime, TimingPolicy, init_runtime, measure
-
-from mok.testing import relative_error
+from .runtime import (
+    GPU_TIMING,
+    SMOKE_TIMING,
+    Runtime,
+    TimingPolicy,
+    init_runtime,
+    measure,
+)
 
 log = logging.getLogger("bench")
 
@@ -213,8 +219,12 @@ def _setup_case(case: Case, rt: Runtime, plan: Any) -> CaseSetup:
         problem = build_experts_problem(case, rt)
         expected = experts_reference(problem)
         costs = {p: experts_cost(preset, problem.counts, p) for p in PASSES}
-        summary = {"rows_total": sum(problem.counts), "rows_max_expert": max(problem.counts), "rows_min_expert": min(problem.counts),
-                   "weight_grads_checked_experts": len(expected.weight_grad_experts)}
+        summary = {
+            "rows_total": sum(problem.counts),
+            "rows_max_expert": max(problem.counts),
+            "rows_min_expert": min(problem.counts),
+            "weight_grads_checked_experts": len(expected.weight_grad_experts),
+        }
         names = EXPERTS_GRAD_NAMES
     return CaseSetup(problem, expected, names, costs, summary)
 
@@ -324,7 +334,7 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
     for spec in specs:
         impl_start = time.perf_counter()
 
-        def check_memory() -> None:
+        def check_memory(spec: ImplSpec = spec) -> None:
             if spec.memory_bytes is not None and rt.is_cuda:
                 need = spec.memory_bytes(setup.problem, ctx)
                 free = rt.free_memory_bytes() or 0
@@ -333,13 +343,15 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
 
         build_step = agreed_step(rt, f"{spec.name} memory check on {case.label}", check_memory)
         if build_step.status == OK:
-            build_step = agreed_step(rt, f"{spec.name} build on {case.label}", lambda: spec.build(setup.problem, ctx))
+            build_step = agreed_step(rt, f"{spec.name} build on {case.label}", lambda spec=spec: spec.build(setup.problem, ctx))
         runner: Runner | None = build_step.value
         check_step = StepResult(build_step.status, None, build_step.message)
         correct: bool | None = None
         errors: dict[str, float] = {}
         if build_step.status == OK and runner is not None:
-            check_step = agreed_step(rt, f"{spec.name} check on {case.label}", lambda: _check(runner, setup, wants_backward))
+            check_step = agreed_step(
+                rt, f"{spec.name} check on {case.label}", lambda runner=runner: _check(runner, setup, wants_backward)
+            )
             if check_step.status == OK:
                 errors = check_step.value
                 names = sorted(errors)
@@ -362,7 +374,10 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
             row["tolerance"] = TOLERANCE
             assert runner is not None
             pass_start = time.perf_counter()
-            timed = agreed_step(rt, f"{spec.name} {pass_name} on {case.label}", lambda: _timed_pass(rt, runner, pass_name, policy))
+            timed = agreed_step(
+                rt, f"{spec.name} {pass_name} on {case.label}",
+                lambda runner=runner, pass_name=pass_name: _timed_pass(rt, runner, pass_name, policy),
+            )
             if timed.status == OK:
                 _fill_timing(row, timed.value, setup.costs[pass_name], ceilings)
             else:
@@ -376,8 +391,6 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
         _release_memory()
         log.debug("%s %s: %.1f s", case.label, spec.name, time.perf_counter() - impl_start)
 
-    del setup
-    _release_memory()
     log.info("%s: done in %.1f s (setup + reference %.1f s)", case.label, time.perf_counter() - case_start, setup_s)
     return rows
 
@@ -446,7 +459,9 @@ def _setup_logging(rt: Runtime, log_path: Path | None, verbose: bool) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cases", required=True, help="TABLE[:FILTER], e.g. baselines_2gpu:preset=kimi-k2,tokens=2048")
     ap.add_argument("--out", type=Path, help="results JSON path (default bench/results/<table>.json)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing test: gloo, CPU timers, quick CPU ceilings")
@@ -550,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         progress.set_postfix_str(case.label)
         doc["cases"].extend(run_case(case, rt, ctx, ceilings, impl_names, policy, progress))
+        _release_memory()  # the case's tensors died with run_case's frame
         if rt.is_main:
             doc["elapsed_s"] = time.time() - started
             _write_json(out, doc)

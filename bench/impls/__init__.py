@@ -79,7 +79,8 @@ def register_impl(
         key = f"{kind}:{name}"
         if key in IMPLS:
             raise ValueError(f"implementation {name!r} registered twice for kind {kind!r}")
-        IMPLS[key] = ImplSpec(name, kind, build, is_baseline, memory_bytes, description or (build.__doc__ or "").strip().split("\n")[0])
+        summary = description or (build.__doc__ or "").strip().split("\n")[0]
+        IMPLS[key] = ImplSpec(name, kind, build, is_baseline, memory_bytes, summary)
         return build
 
     return decorate

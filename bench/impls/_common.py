@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from mok.testing import swiglu
 
 from ..cost import BF16_BYTES, weight_bytes

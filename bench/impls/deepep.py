@@ -28,7 +28,8 @@ def _deep_ep() -> Any:
         import deep_ep  # type: ignore[import-not-found]
     except Exception as exc:
         raise Skip(f"deep_ep is not importable here ({type(exc).__name__}: {exc})") from None
-    if not all(hasattr(deep_ep, "Buffer") and hasattr(deep_ep.Buffer, n) for n in ("get_dispatch_layout", "dispatch", "combine")):
+    api = ("get_dispatch_layout", "dispatch", "combine")
+    if not all(hasattr(deep_ep, "Buffer") and hasattr(deep_ep.Buffer, n) for n in api):
         raise Skip("deep_ep has no v1 Buffer API (get_dispatch_layout/dispatch/combine)")
     return deep_ep
 
@@ -52,7 +53,9 @@ def _buffer(deep_ep: Any, ctx: BenchContext, hidden: int) -> Any:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, buffer: Any, num_experts: int, box: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, buffer: Any, num_experts: int, box: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_idx, recv_w, recv_counts, handle, _ = buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_w, num_tokens_per_rank=per_rank,

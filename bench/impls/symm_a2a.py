@@ -29,7 +29,12 @@ import torch
 
 from ..cost import BF16_BYTES
 from . import BenchContext, Runner, Skip, autograd_runner, register_impl
-from ._common import grouped_swiglu_mlp, layer_activation_bytes, shared_expert, weighted_slot_sum
+from ._common import (
+    grouped_swiglu_mlp,
+    layer_activation_bytes,
+    shared_expert,
+    weighted_slot_sum,
+)
 
 META_COLS = 32  # 64 bytes per row for the local expert id (see the block-split note in SymmWorkspace)
 MIN_BUFFER_BYTES = 8 << 20
@@ -197,7 +202,9 @@ def _workspace(problem: Any, ctx: BenchContext) -> SymmWorkspace:
         ws = SymmWorkspace(ctx.runtime, min(max(needs + [need]), limit))
         ctx.resources[WORKSPACE_KEY] = ws
     if need > ws.capacity_bytes:
-        raise Skip(f"needs {need / 1e9:.1f} GB of symmetric workspace, {ws.capacity_bytes / 1e9:.1f} GB allocated (--symm-workspace-gb)")
+        raise Skip(
+            f"needs {need / 1e9:.1f} GB of symmetric workspace, {ws.capacity_bytes / 1e9:.1f} GB allocated (--symm-workspace-gb)"
+        )
     return ws
 
 

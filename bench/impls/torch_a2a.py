@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 
 from . import BenchContext, Runner, Skip, autograd_runner, register_impl
-from ._common import grouped_swiglu_mlp, inverse_permutation, layer_activation_bytes, shared_expert, weighted_slot_sum
+from ._common import (
+    grouped_swiglu_mlp,
+    inverse_permutation,
+    layer_activation_bytes,
+    shared_expert,
+    weighted_slot_sum,
+)
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -59,7 +65,6 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
     device = p.x.device
 
     def forward() -> torch.Tensor:
-        T = p.x.shape[0]
         with torch.no_grad():
             flat_expert = p.topk_idx.reshape(-1)
             # Global expert ids sort slots by destination rank (contiguous placement), then by local expert.
