@@ -40,7 +40,9 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
   EXPECT_EQ(first_bit_difference(a.gate, b.gate), -1) << what << ": dW_gate";
   EXPECT_EQ(first_bit_difference(a.up, b.up), -1) << what << ": dW_up";
   EXPECT_EQ(first_bit_difference(a.down, b.down), -1) << what << ": dW_down";
-  if (with_shared) EXPECT_EQ(first_bit_difference(a.shared, b.shared), -1) << what << ": shared dW";
+  if (with_shared) {
+    EXPECT_EQ(first_bit_difference(a.shared, b.shared), -1) << what << ": shared dW";
+  }
 }
 
 MoeDesc desc(int64_t T, int64_t R) {

@@ -1,0 +1,58 @@
+// Host API of the sm_90a expert kernels: the routed SwiGLU MLP as persistent grouped GEMMs over
+// rows grouped by expert. Plain pointers and sizes only (no CUDA or CuTe types), so any host code
+// (the mok program, the Python extension, tests) can call it.
+//
+// Row layout: rows are grouped by expert; expert e's rows are [offsets[e], offsets[e+1]) of the
+// row buffers, with every offset a multiple of kRowAlign (the schedule pads each expert; padding
+// rows are zero). The offsets live on the device and are read by the kernels: no host sync.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+namespace mok::cuda {
+
+// Each expert's segment starts at a multiple of this many rows (the row tile of the GEMMs).
+inline constexpr int64_t kRowAlign = 128;
+
+struct ExpertsForwardArgs {
+  int64_t row_capacity = 0;    // rows the row buffers hold (>= offsets[El])
+  int64_t hidden = 0;          // H
+  int64_t intermediate = 0;    // I
+  int64_t local_experts = 0;   // El
+  const int32_t* expert_offsets = nullptr;  // device [El+1], multiples of kRowAlign
+  const void* x = nullptr;       // [row_capacity, H] bf16
+  const void* w_gate = nullptr;  // [El, I, H] bf16
+  const void* w_up = nullptr;    // [El, I, H] bf16
+  const void* w_down = nullptr;  // [El, H, I] bf16
+  void* gu = nullptr;            // [row_capacity, 2I] bf16 out: g | u saved for the backward; may be null
+  void* h = nullptr;             // [row_capacity, I] bf16 out
+  void* y = nullptr;             // [row_capacity, H] bf16 out
+  std::optional<float> swiglu_limit;
+  int32_t* status = nullptr;     // device word; a kernel that finds bad offsets writes a code here
+  int num_sms = 0;               // 0 = all of the device's
+};
+
+// Why the kernels cannot run these arguments, or an empty string when they can.
+std::string can_implement(const ExpertsForwardArgs& args);
+// Device workspace the launch needs (none today: the tile schedule lives in shared memory).
+inline int64_t workspace_bytes(const ExpertsForwardArgs&) { return 0; }
+
+// h = act(x W_gate^T, x W_up^T) (and gu), then y = h W_down^T, per expert. Asynchronous on stream.
+void experts_forward(const ExpertsForwardArgs& args, cudaStream_t stream);
+// The two GEMMs separately (for benchmarks and tests).
+void gate_up_swiglu(const ExpertsForwardArgs& args, cudaStream_t stream);
+void down_projection(const ExpertsForwardArgs& args, cudaStream_t stream);
+
+// Status codes written to ExpertsForwardArgs::status.
+enum StatusCode : int32_t {
+  kStatusOk = 0,
+  kStatusMisalignedOffsets = 1,  // an expert offset is not a multiple of kRowAlign
+  kStatusOffsetsOutOfRange = 2,  // offsets decrease or exceed row_capacity
+};
+const char* status_message(int32_t code);
+
+}  // namespace mok::cuda

@@ -1,0 +1,191 @@
+// GPU tests of the sm_90a expert kernels against the CPU reference's experts_forward stage.
+// Fresh random inputs per case, outputs poisoned before every run, NaN never passes, and five
+// reruns compared bit for bit. Runs only where a GPU is (tools/gpu.sh).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mok/core/bf16.h"
+#include "mok/core/compare.h"
+#include "mok/core/problem.h"
+#include "mok/core/reference.h"
+#include "mok/cuda/expert_kernels.h"
+
+namespace mok {
+namespace {
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+struct Case {
+  std::string name;
+  int64_t H, I, El;
+  std::vector<int64_t> rows;  // real rows per expert
+  std::optional<float> limit;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    if (cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const std::vector<T>& v) { cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> download() const {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  void poison() { cudaMemset(ptr, 0xff, std::max<size_t>(n, 1) * sizeof(T)); }  // bf16 0xffff is NaN
+};
+
+std::vector<uint16_t> to_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]).bits;
+  return out;
+}
+std::vector<float> from_bits(const std::vector<uint16_t>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(bf16{v[i]});
+  return out;
+}
+
+std::vector<float> random_bf16(Rng& rng, int64_t n, double scale) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = round_to_bf16(static_cast<float>(rng.normal() * scale));
+  return v;
+}
+
+class ExpertKernels : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
+  const Case& c = GetParam();
+  const int64_t H = c.H, I = c.I, El = c.El;
+  std::vector<int64_t> offsets{0};
+  for (int64_t n : c.rows) offsets.push_back(offsets.back() + (n + cuda::kRowAlign - 1) / cuda::kRowAlign * cuda::kRowAlign);
+  const int64_t M = offsets.back();
+  const int64_t capacity = M + 2 * cuda::kRowAlign;  // slack past the last expert stays untouched
+
+  Rng rng(std::hash<std::string>{}(c.name) ^ 0x9e37ull);
+  std::vector<float> x(static_cast<size_t>(capacity * H), 0.0f);
+  for (int64_t e = 0; e < El; ++e) {  // real rows random, padding rows zero
+    for (int64_t r = offsets[e]; r < offsets[e] + c.rows[e]; ++r) {
+      for (int64_t k = 0; k < H; ++k) x[r * H + k] = round_to_bf16(static_cast<float>(rng.normal()));
+    }
+  }
+  const auto wg = random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wu = random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wd = random_bf16(rng, El * H * I, 1.0 / std::sqrt(double(I)));
+
+  // The oracle: the CPU reference's stage, on the same rows.
+  std::vector<float> gu_ref(M * 2 * I), h_ref(M * I), y_ref(M * H);
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  ref::experts_forward(ref::MlpShape{H, I, c.limit}, view, offsets, x.data(), gu_ref.data(), h_ref.data(),
+                       y_ref.data(), ref::Rounding::bf16);
+
+  DeviceBuffer<uint16_t> dx(x.size()), dwg(wg.size()), dwu(wu.size()), dwd(wd.size());
+  DeviceBuffer<uint16_t> dgu(capacity * 2 * I), dh(capacity * I), dy(capacity * H);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  ASSERT_TRUE(dx.ptr && dwg.ptr && dwu.ptr && dwd.ptr && dgu.ptr && dh.ptr && dy.ptr && doff.ptr && dstatus.ptr);
+  dx.upload(to_bits(x));
+  dwg.upload(to_bits(wg));
+  dwu.upload(to_bits(wu));
+  dwd.upload(to_bits(wd));
+  doff.upload(std::vector<int32_t>(offsets.begin(), offsets.end()));
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+
+  cuda::ExpertsForwardArgs a;
+  a.row_capacity = capacity;
+  a.hidden = H;
+  a.intermediate = I;
+  a.local_experts = El;
+  a.expert_offsets = doff.ptr;
+  a.x = dx.ptr;
+  a.w_gate = dwg.ptr;
+  a.w_up = dwu.ptr;
+  a.w_down = dwd.ptr;
+  a.gu = dgu.ptr;
+  a.h = dh.ptr;
+  a.y = dy.ptr;
+  a.swiglu_limit = c.limit;
+  a.status = dstatus.ptr;
+  ASSERT_EQ(cuda::can_implement(a), "");
+
+  std::vector<uint16_t> first_gu, first_h, first_y;
+  for (int run = 0; run < 5; ++run) {
+    dgu.poison();
+    dh.poison();
+    dy.poison();
+    cuda::experts_forward(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(dstatus.download()[0], 0);
+    auto gu = dgu.download(), h = dh.download(), y = dy.download();
+    if (run == 0) {
+      // Rows [0, M) are all written (no poison left, no NaN); the slack past M is not touched.
+      const auto gu_f = from_bits(gu), h_f = from_bits(h), y_f = from_bits(y);
+      const std::vector<float> gu_m(gu_f.begin(), gu_f.begin() + M * 2 * I), h_m(h_f.begin(), h_f.begin() + M * I),
+          y_m(y_f.begin(), y_f.begin() + M * H);
+      const Comparison cg = compare(gu_m, gu_ref), ch = compare(h_m, h_ref), cy = compare(y_m, y_ref);
+      EXPECT_TRUE(cg.within(1e-2)) << cg.describe("gu");
+      EXPECT_TRUE(ch.within(1e-2)) << ch.describe("h");
+      EXPECT_TRUE(cy.within(1e-2)) << cy.describe("y");
+      std::printf("[ %s ] rel error gu %.2e h %.2e y %.2e (rows %lld)\n", c.name.c_str(), cg.rel_error, ch.rel_error,
+                  cy.rel_error, static_cast<long long>(M));
+      for (size_t i = M * H; i < y.size(); ++i) ASSERT_EQ(y[i], 0xffff) << "row past the experts was written";
+      for (size_t i = M * I; i < h.size(); ++i) ASSERT_EQ(h[i], 0xffff) << "row past the experts was written";
+      first_gu = std::move(gu);
+      first_h = std::move(h);
+      first_y = std::move(y);
+    } else {
+      EXPECT_EQ(first_bit_difference(gu, first_gu), -1) << "gu differs in run " << run;
+      EXPECT_EQ(first_bit_difference(h, first_h), -1) << "h differs in run " << run;
+      EXPECT_EQ(first_bit_difference(y, first_y), -1) << "y differs in run " << run;
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  return {
+      {"small_balanced", 512, 256, 4, {200, 200, 200, 200}, std::nullopt},
+      {"rows_not_multiple_of_tile", 384, 192, 3, {1, 129, 300}, std::nullopt},
+      {"empty_experts", 256, 128, 5, {0, 77, 0, 0, 260}, std::nullopt},
+      {"one_expert_takes_all", 256, 384, 4, {1000, 0, 0, 0}, std::nullopt},
+      {"widths_not_multiple_of_tile", 328, 200, 2, {130, 70}, std::nullopt},
+      {"clamped_swiglu", 256, 256, 2, {150, 90}, 0.75f},
+      {"kimi_k2_shape", 7168, 2048, 2, {300, 170}, std::nullopt},
+      {"gpt_oss_shape", 2880, 2880, 2, {200, 140}, 7.0f},
+      {"qwen3_shape", 2048, 768, 8, {64, 100, 3, 0, 250, 128, 1, 40}, std::nullopt},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, ExpertKernels, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(ExpertKernelsArgs, BadOffsetsAreReportedNotComputed) {
+  DeviceBuffer<uint16_t> buf(256 * 256 * 4);
+  DeviceBuffer<int32_t> doff(3), dstatus(1);
+  doff.upload({0, 100, 256});  // 100 is not a multiple of 128
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  cuda::ExpertsForwardArgs a;
+  a.row_capacity = 256;
+  a.hidden = 64;
+  a.intermediate = 64;
+  a.local_experts = 2;
+  a.expert_offsets = doff.ptr;
+  a.x = a.w_gate = a.w_up = a.w_down = buf.ptr;
+  a.h = a.y = buf.ptr;
+  a.status = dstatus.ptr;
+  cuda::experts_forward(a, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dstatus.download()[0], cuda::kStatusMisalignedOffsets);
+  a.hidden = 60;
+  EXPECT_NE(cuda::can_implement(a).find("hidden must be a positive multiple of 8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mok

@@ -1,0 +1,85 @@
+"""ctypes glue to the sm_90a expert kernels (``libmok_cuda_capi.so``, built by CMake with CUDA).
+
+Thin by design: tensors pass their data pointers and the current CUDA stream; shapes are checked
+here, the kernels' own ``can_implement`` checks the rest and its message comes back as an error.
+Set ``MOK_CUDA_LIB`` to the library's path, or build it at ``build/cuda/`` of the repository.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+ROW_ALIGN = 128  # mirrors mok::cuda::kRowAlign; checked against the library at load
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    candidates = [os.environ.get("MOK_CUDA_LIB", "")]
+    root = Path(__file__).resolve().parents[2]
+    candidates += [str(root / d / "cuda" / "libmok_cuda_capi.so") for d in ("build", "build-cuda", "build-gpu")]
+    for path in candidates:
+        if path and Path(path).is_file():
+            lib = ctypes.CDLL(path)
+            break
+    else:
+        raise ImportError("libmok_cuda_capi.so not found (build with CUDA, or set MOK_CUDA_LIB)")
+    lib.mok_cuda_experts_forward.restype = ctypes.c_int
+    lib.mok_cuda_experts_forward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [
+        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_row_align.restype = ctypes.c_int
+    lib.mok_cuda_status_message.restype = ctypes.c_char_p
+    lib.mok_cuda_status_message.argtypes = [ctypes.c_int]
+    if lib.mok_cuda_row_align() != ROW_ALIGN:
+        raise ImportError(f"libmok_cuda_capi row alignment {lib.mok_cuda_row_align()} != {ROW_ALIGN}")
+    return lib
+
+
+def available() -> bool:
+    try:
+        _lib()
+        return torch.cuda.is_available()
+    except (ImportError, OSError):
+        return False
+
+
+def padded_offsets(counts: list[int]) -> list[int]:
+    """Start offsets of each expert's segment (and the end), each a multiple of ROW_ALIGN."""
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + (n + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN)
+    return offsets
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                    w_down: torch.Tensor, *, h: torch.Tensor, y: torch.Tensor, gu: torch.Tensor | None = None,
+                    swiglu_limit: float | None = None, status: torch.Tensor | None = None, which: int = 0) -> None:
+    """h = act(x W_gate^T, x W_up^T), y = h W_down^T on rows grouped by expert (offsets [El+1] int32,
+    multiples of ROW_ALIGN, on the device). Writes h, y (and gu); asynchronous on the current stream."""
+    El, I, H = w_gate.shape
+    rows = x_rows.shape[0]
+    for name, t, shape in (("x_rows", x_rows, (rows, H)), ("w_up", w_up, (El, I, H)), ("w_down", w_down, (El, H, I)),
+                           ("h", h, (rows, I)), ("y", y, (rows, H))) + ((("gu", gu, (rows, 2 * I)),) if gu is not None else ()):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+        if not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CUDA tensor")
+    if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or not offsets.is_cuda:
+        raise ValueError(f"offsets must be int32 [{El + 1}] on the GPU, got {offsets.dtype} {tuple(offsets.shape)}")
+    error = ctypes.create_string_buffer(512)
+    rc = _lib().mok_cuda_experts_forward(
+        rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(gu), _ptr(h), _ptr(y),
+        int(swiglu_limit is not None), float(swiglu_limit or 0.0), _ptr(status),
+        torch.cuda.current_stream().cuda_stream, which, error, len(error))
+    if rc != 0:
+        raise ValueError(error.value.decode())

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The one GPU script: build with CUDA, run the GPU tests, the sanitizers and the benchmarks, with
+# every log under $OUT (the device tool brings that folder back). Run from the repository root on
+# a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
+#   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
+# Steps: build, sass, tests, sanitize, bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+# Everything is written under $LOGS; at the end the device tool's $OUT gets the summary, the
+# result JSONs and one archive of the rest (the tool brings back at most 8 files).
+OUT="${OUT:-/tmp/mok-gpu-out}"
+LOGS="$(mktemp -d /tmp/mok-gpu.XXXX)"
+mkdir -p "$OUT"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD="$ROOT/build-gpu"
+STEPS="${MOK_GPU_STEPS:-build sass tests sanitize bench_experts}"
+COMMIT="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+export MOK_COMMIT="$COMMIT" MOK_CUDA_LIB="$BUILD/cuda/libmok_cuda_capi.so"
+export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+log() { echo "== $(date +%T) $*" | tee -a "$LOGS/summary.txt"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+log "commit $COMMIT steps: $STEPS"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv > "$LOGS/nvidia-smi.txt" 2>&1
+
+if has build; then
+  gtest_args=()
+  [ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DGTEST_ROOT="$ROOT/.deps/gtest")
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON \
+       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" "${gtest_args[@]}" > "$LOGS/build.log" 2>&1 &&
+     cmake --build "$BUILD" -j "$(nproc)" >> "$LOGS/build.log" 2>&1; then
+    log "build ok"
+  else
+    log "build FAILED"; tail -40 "$LOGS/build.log"; exit 1
+  fi
+fi
+
+if has sass; then
+  cuobjdump --dump-sass "$BUILD/cuda/libmok_cuda.a" > "$LOGS/sass.txt" 2>&1
+  log "sass: $(grep -c HGMMA "$LOGS/sass.txt") HGMMA, $(grep -c -E 'LDL|STL' "$LOGS/sass.txt") LDL/STL"
+fi
+
+if has tests; then
+  if "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then log "gpu tests ok"; else status=1; log "gpu tests FAILED"; fi
+  grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    if compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
+         --gtest_filter='*small_balanced*:*BadOffsets*' > "$LOGS/sanitize_$tool.log" 2>&1; then
+      log "compute-sanitizer $tool clean"
+    else
+      status=1; log "compute-sanitizer $tool FAILED"; tail -20 "$LOGS/sanitize_$tool.log"
+    fi
+  done
+fi
+
+if has bench_experts; then
+  python3 -m bench.run --cases experts_1gpu --passes forward --out "$LOGS/experts_1gpu_h200.json" \
+    --time-budget-s "${MOK_BENCH_BUDGET:-200}" > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
+  python3 -m bench.render "$LOGS/experts_1gpu_h200.json" >> "$LOGS/experts_1gpu_h200.log" 2>&1 || true
+  log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"
+fi
+
+if has bench_1gpu; then
+  python3 -m bench.run --cases baselines_1gpu --out "$LOGS/baselines_1gpu_h200.json" \
+    --time-budget-s "${MOK_BENCH_BUDGET:-200}" > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
+  python3 -m bench.render "$LOGS/baselines_1gpu_h200.json" >> "$LOGS/baselines_1gpu_h200.log" 2>&1 || true
+  log "bench 1gpu done"; tail -5 "$LOGS/baselines_1gpu_h200.log"
+fi
+
+if has bench_2gpu; then
+  torchrun --standalone --nproc-per-node=2 -m bench.run --cases baselines_2gpu --out "$LOGS/baselines_2gpu_h200.json" \
+    --time-budget-s "${MOK_BENCH_BUDGET:-330}" > "$LOGS/baselines_2gpu_h200.log" 2>&1 || status=1
+  python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
+  log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
+fi
+
+log "exit $status"
+cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null
+for f in "$LOGS"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+rm -f "$LOGS/sass.txt.gz"; gzip -f "$LOGS/sass.txt" 2>/dev/null
+tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+exit $status
