@@ -3,7 +3,7 @@
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
 # a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
-# Steps: build, sass, tests, sanitize, bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
+# Steps: build, sass, tests, timing, sanitize, bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -46,6 +46,11 @@ fi
 if has tests; then
   if "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then log "gpu tests ok"; else status=1; log "gpu tests FAILED"; fi
   grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
+fi
+
+if has timing; then
+  "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
+  log "timing:"; cat "$LOGS/timing.log" | tee -a "$LOGS/summary.txt"
 fi
 
 if has sanitize; then

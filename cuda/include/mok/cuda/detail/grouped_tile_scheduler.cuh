@@ -1,8 +1,11 @@
 // Tiles of a grouped GEMM over rows grouped by expert, with the per-expert row offsets read on the
 // device. Every role of a CTA walks the same tile sequence from one scheduler object.
 //
-// Tile order: expert-major, then row block, then column block (column fastest), so the CTAs of a
-// wave share an expert's weights and a few row blocks in L2.
+// Tile order: expert-major; inside an expert, row blocks go in groups of kGroupM, and inside a
+// group the row block changes fastest, then the column block. A wave of CTAs then covers about
+// kGroupM row blocks x (CTAs / kGroupM) column blocks, so both the rows (A) and the weights (B) it
+// reads are reused from L2 instead of the weights being streamed once per row block (measured:
+// column-fastest order ran a 4096 x 28672 x 4096 GEMM at 58% of the dense rate).
 #pragma once
 
 #include <cstdint>
@@ -24,7 +27,7 @@ struct GroupedTileSchedulerStorage {
   int32_t status;  // 0, or why the offsets are malformed (then no tile is computed)
 };
 
-template <int kBlockM, int kMaxExperts>
+template <int kBlockM, int kMaxExperts, int kGroupM = 8>
 struct GroupedTileScheduler {
   const GroupedTileSchedulerStorage<kMaxExperts>& s;
   int num_experts;
@@ -81,10 +84,14 @@ struct GroupedTileScheduler {
       }
     }
     const int local = linear - s.tiles_before[lo];
+    const int m_blocks = (s.offsets[lo + 1] - s.offsets[lo] + kBlockM - 1) / kBlockM;
+    const int group = local / (kGroupM * n_blocks);
+    const int group_rows = min(kGroupM, m_blocks - group * kGroupM);
+    const int in_group = local - group * kGroupM * n_blocks;
     GroupedTile t;
     t.expert = lo;
-    t.m_block = s.offsets[lo] / kBlockM + local / n_blocks;
-    t.n_block = local % n_blocks;
+    t.m_block = s.offsets[lo] / kBlockM + group * kGroupM + in_group % group_rows;
+    t.n_block = in_group / group_rows;
     t.row_end = s.offsets[lo + 1];
     return t;
   }

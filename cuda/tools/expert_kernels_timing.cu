@@ -1,0 +1,135 @@
+// Development timing of the expert kernels, one GEMM at a time, next to cuBLAS on the dense GEMM
+// of the same total shape (the per-shape ceiling). Not a test and not the benchmark of record
+// (that is bench/, against torch._grouped_mm in the same process); this answers "which kernel,
+// how far from dense" while tuning.
+//   expert_kernels_timing [H I experts rows_per_expert]...   (defaults: a few preset shapes)
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "mok/cuda/expert_kernels.h"
+
+namespace {
+
+#define CHECK_CUDA(x)                                                              \
+  do {                                                                             \
+    cudaError_t e = (x);                                                           \
+    if (e != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+__global__ void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float v = (float(h & 0xffffff) / float(0xffffff) - 0.5f) * 2.0f * scale;
+    uint32_t bits = __float_as_uint(v);
+    p[i] = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+}
+
+template <class F>
+float time_ms(F f, int iters) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) f();
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) f();
+  cudaEventRecord(b);
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms / iters;
+}
+
+void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle_t blas) {
+  const int64_t seg = (rows_per_expert + 127) / 128 * 128;
+  const int64_t M = seg * El;
+  std::vector<int32_t> offsets(El + 1);
+  for (int64_t e = 0; e <= El; ++e) offsets[e] = int32_t(e * seg);
+  uint16_t *x, *wg, *wu, *wd, *gu, *h, *y;
+  int32_t *off, *status;
+  CHECK_CUDA(cudaMalloc(&x, M * H * 2));
+  CHECK_CUDA(cudaMalloc(&wg, El * I * H * 2));
+  CHECK_CUDA(cudaMalloc(&wu, El * I * H * 2));
+  CHECK_CUDA(cudaMalloc(&wd, El * H * I * 2));
+  CHECK_CUDA(cudaMalloc(&gu, M * 2 * I * 2));
+  CHECK_CUDA(cudaMalloc(&h, M * I * 2));
+  CHECK_CUDA(cudaMalloc(&y, M * H * 2));
+  CHECK_CUDA(cudaMalloc(&off, (El + 1) * 4));
+  CHECK_CUDA(cudaMalloc(&status, 4));
+  CHECK_CUDA(cudaMemset(status, 0, 4));
+  CHECK_CUDA(cudaMemcpy(off, offsets.data(), (El + 1) * 4, cudaMemcpyHostToDevice));
+  fill_random<<<1024, 256>>>(x, M * H, 1, 1.0f);
+  fill_random<<<1024, 256>>>(wg, El * I * H, 2, 0.02f);
+  fill_random<<<1024, 256>>>(wu, El * I * H, 3, 0.02f);
+  fill_random<<<1024, 256>>>(wd, El * H * I, 4, 0.02f);
+  mok::cuda::ExpertsForwardArgs a;
+  a.row_capacity = M;
+  a.hidden = H;
+  a.intermediate = I;
+  a.local_experts = El;
+  a.expert_offsets = off;
+  a.x = x;
+  a.w_gate = wg;
+  a.w_up = wu;
+  a.w_down = wd;
+  a.gu = gu;
+  a.h = h;
+  a.y = y;
+  a.status = status;
+  const int iters = 20;
+  const double f_gate_up = 2.0 * M * 2 * I * H, f_down = 2.0 * M * H * I;
+  const float t_gu = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
+  a.gu = nullptr;
+  const float t_gu_nosave = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
+  const float t_down = time_ms([&] { mok::cuda::down_projection(a, nullptr); }, iters);
+  // cuBLAS on the dense GEMMs of the same total shape: C[M, N] = A[M, K] B[N, K]^T (row-major).
+  const float one = 1.0f, zero = 0.0f;
+  auto dense = [&](const void* A, const void* B, void* C, int64_t m, int64_t n, int64_t k) {
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &one, B, CUDA_R_16BF, int(k), A, CUDA_R_16BF,
+                 int(k), &zero, C, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  // Gate|up as one dense [M, 2I] GEMM needs a [2I, H] weight: gate and up are consecutive in
+  // memory only per expert, so use gate's buffer twice as big: time the shape, not the values.
+  uint16_t* w2;
+  CHECK_CUDA(cudaMalloc(&w2, 2 * I * H * 2));
+  const float c_gu = time_ms([&] { dense(x, w2, gu, M, 2 * I, H); }, iters);
+  const float c_down = time_ms([&] { dense(h, wd, y, M, H, I); }, iters);
+  int32_t st = 0;
+  CHECK_CUDA(cudaMemcpy(&st, status, 4, cudaMemcpyDeviceToHost));
+  std::printf("H=%-5lld I=%-5lld El=%-4lld rows/expert=%-5lld | gate_up+swiglu %7.3f ms %6.1f TF/s (no gu save %6.1f) "
+              "| down %7.3f ms %6.1f TF/s | cublas dense gate_up %6.1f down %6.1f TF/s | status %d\n",
+              (long long)H, (long long)I, (long long)El, (long long)rows_per_expert, t_gu, f_gate_up / t_gu / 1e9,
+              f_gate_up / t_gu_nosave / 1e9, t_down, f_down / t_down / 1e9, f_gate_up / c_gu / 1e9,
+              f_down / c_down / 1e9, st);
+  for (void* p : {(void*)x, (void*)wg, (void*)wu, (void*)wd, (void*)gu, (void*)h, (void*)y, (void*)off, (void*)status, (void*)w2})
+    cudaFree(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  if (argc >= 5) {
+    for (int i = 1; i + 3 < argc; i += 4) run(atoll(argv[i]), atoll(argv[i + 1]), atoll(argv[i + 2]), atoll(argv[i + 3]), blas);
+  } else {
+    run(4096, 14336, 1, 4096, blas);  // mixtral, one expert: a dense GEMM
+    run(7168, 2048, 48, 1024, blas);  // kimi-k2, EP8 experts
+    run(7168, 2048, 48, 4096, blas);
+    run(2048, 768, 16, 4096, blas);   // qwen3-30b-a3b
+    run(2880, 2880, 16, 4096, blas);  // gpt-oss-120b
+    run(7168, 2048, 48, 256, blas);
+  }
+  cublasDestroy(blas);
+  return 0;
+}
