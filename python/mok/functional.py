@@ -1,0 +1,425 @@
+"""MoK's functional API: workspace -> schedule -> forward -> backward, and the autograd-aware :func:`moe`.
+
+Two levels:
+
+- :func:`moe` — one call, differentiable (gradients for x, topk_w and every weight), works under
+  ``torch.compile(fullgraph=True)``. This is what :class:`mok.MoE` uses.
+- The explicit passes, for frameworks that run their own backward or checkpoint activations::
+
+      ws = mok.get_workspace(None, group, device=x.device, num_local_tokens=T, hidden=H,
+                             intermediate=I, num_experts=E, topk=k)
+      schedule = mok.build_schedule(ws, topk_idx)
+      y, ctx = mok.forward(ws, schedule, x, topk_w, w_gate, w_up, w_down)
+      ...                                  # optionally drop ctx and later:
+      ctx = mok.recompute_forward_context(ws, schedule, x, w_gate, w_up, w_down)
+      grads = mok.backward(ws, schedule, ctx, dy, x, topk_w, w_gate, w_up, w_down)
+
+Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a group):
+
+- ``x`` bf16 ``[T,H]``; ``topk_idx`` int32/int64 ``[T,k]`` global expert ids; ``topk_w`` fp32 ``[T,k]``.
+- Rank r owns experts ``[r*El, (r+1)*El)``: ``w_gate, w_up [El,I,H]``, ``w_down [El,H,I]``; the
+  optional shared expert ``shared = (s_gate [Is,H], s_up [Is,H], s_down [H,Is])``, replicated.
+- Weights are bf16 or fp32; the layer computes with them rounded to bf16 (fp32 parameters act as
+  master weights) and returns each weight's gradient in that weight's dtype (computed in fp32).
+- ``y`` and ``dx`` are bf16; ``d_topk_w`` fp32. Results are bitwise deterministic and do not depend
+  on R: the CPU path equals the C++ reference (``include/mok/core/reference.h``) bit for bit.
+- Every call with a group is collective: all ranks make the same calls with the same shapes.
+  Bad input on one rank raises on every rank (naming that rank), never hangs the others.
+- The shared expert's and the router's gradients are this rank's contribution (as for any
+  replicated parameter); the routed experts' gradients already include every rank's tokens, so
+  data-parallel gradient averaging must not sum them again over the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _checks, _dist
+from . import ops as _ops  # noqa: F401  (registers torch.ops.mok.*)
+from ._ext import _C
+
+__all__ = [
+    "MoeConfig",
+    "Workspace",
+    "Schedule",
+    "ForwardContext",
+    "Gradients",
+    "get_workspace",
+    "create_workspace",
+    "clear_workspace_cache",
+    "build_schedule",
+    "forward",
+    "backward",
+    "recompute_forward_context",
+    "moe",
+]
+
+Tensor = torch.Tensor
+SharedWeights = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Overrides of the planner's choices (``None``: the planner's default, see ``Workspace.explanation``).
+
+    These shape the GPU megakernel's pipeline; results do not depend on them.
+    """
+
+    comm_sms: int | None = None  # SMs that move data (the rest compute)
+    minibatch_rows: int | None = None  # rows per minibatch, a multiple of the 128-row tile
+    ring_rows: int | None = None  # rows the ring token buffer holds, a multiple of minibatch_rows
+    ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
+
+
+class Schedule(NamedTuple):
+    """The routing schedule of one pass on this rank (from :func:`build_schedule`).
+
+    As destination: the M rows this rank's experts compute, grouped by local expert in canonical
+    order (global token ``src_rank*T + t``, then j). As source: the order in which this rank's
+    ``T*k`` (token, j) slots leave, grouped by destination rank.
+    """
+
+    expert_offsets: Tensor  # [El+1] int64: local expert e computes rows [offsets[e], offsets[e+1])
+    row_src_rank: Tensor  # [M] int32: the rank each row comes from
+    row_src_slot: Tensor  # [M] int32: its slot t*k + j there
+    recv_order: Tensor  # [M] int64: the schedule row of each received row (rows arrive by source rank)
+    recv_counts: Tensor  # [R] int64: rows received from each rank
+    send_order: Tensor  # [T*k] int64: this rank's slots in the order they are sent
+    send_counts: Tensor  # [R] int64: rows sent to each rank
+
+    @property
+    def num_rows(self) -> int:
+        """M, the rows this rank's experts compute."""
+        return self.row_src_rank.shape[0]
+
+    @property
+    def tokens_per_expert(self) -> Tensor:
+        """[El] int64: rows per local expert."""
+        return self.expert_offsets[1:] - self.expert_offsets[:-1]
+
+
+class ForwardContext(NamedTuple):
+    """What the backward needs from the forward, all bf16 (the values the GPU path stores)."""
+
+    x_rows: Tensor  # [M,H] the dispatched token rows
+    gate_up: Tensor  # [M,2I] gate | up projections
+    hidden: Tensor  # [M,I] act(gate, up)
+    shared_gate_up: Tensor  # [T,2Is] (Is = 0 without a shared expert)
+    shared_hidden: Tensor  # [T,Is]
+
+
+class Gradients(NamedTuple):
+    """Every gradient of the layer. Weight gradients are in their weight's dtype; shared ones None
+    without a shared expert."""
+
+    d_x: Tensor  # [T,H] bf16
+    d_topk_w: Tensor  # [T,k] fp32
+    d_w_gate: Tensor  # [El,I,H]
+    d_w_up: Tensor  # [El,I,H]
+    d_w_down: Tensor  # [El,H,I]
+    d_s_gate: Tensor | None  # [Is,H]
+    d_s_up: Tensor | None  # [Is,H]
+    d_s_down: Tensor | None  # [H,Is]
+
+
+@dataclass(frozen=True, eq=False)
+class Workspace:
+    """One layer shape on one expert-parallel group: the validated problem, the plan, the buffers.
+
+    Sizes come from the C++ planner (``plan``); Python does no offset arithmetic. On GPUs the
+    buffers are ``symmetric`` (torch symmetric memory, peers address it), ``schedule`` and
+    ``ring``; the CPU backend exchanges through torch.distributed and holds none.
+    One workspace serves every layer of that shape; calls that share it run one at a time.
+    """
+
+    desc: Any  # mok._C.MoeDesc
+    config: MoeConfig
+    plan: dict[str, Any]
+    group_name: str
+    rank: int
+    device: torch.device
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    symmetric_handle: Any = None  # torch symmetric memory handle (peer pointers), GPUs with R > 1
+
+    @property
+    def ranks(self) -> int:
+        return int(self.desc.ranks)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.desc.num_experts)
+
+    @property
+    def local_experts(self) -> int:
+        return int(self.desc.local_experts)
+
+    @property
+    def first_expert(self) -> int:
+        """The global id of this rank's first expert."""
+        return self.rank * self.local_experts
+
+    @property
+    def explanation(self) -> str:
+        """The planner's reasons, in plain text."""
+        return str(self.plan["explanation"])
+
+    def __repr__(self) -> str:
+        return (f"Workspace({self.desc}, rank {self.rank} of {self.ranks}, {self.device}, "
+                f"{_format_bytes(self.plan['workspace_bytes']['total'])})")
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspace
+# ---------------------------------------------------------------------------------------------
+
+_WORKSPACES: dict[tuple[Any, ...], Workspace] = {}
+
+
+def _device_facts(device: torch.device) -> Any:
+    if device.type == "cpu":
+        return _C.DeviceFacts.find("cpu")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        for known in ("h200", "h100"):
+            if known in props.name.lower():
+                return _C.DeviceFacts.find(known)
+        return _C.DeviceFacts(name=props.name, sm_count=props.multi_processor_count, memory_bytes=props.total_memory)
+    raise ValueError(f"mok: device {device} is not supported (cpu or cuda)")
+
+
+def _int_or_none(value: object, name: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+
+
+def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, device: torch.device | str,
+                     num_local_tokens: int, hidden: int, intermediate: int, num_experts: int, topk: int,
+                     shared_intermediate: int = 0, swiglu_limit: float | None = None) -> Workspace:
+    """A new workspace (uncached); collective over ``group``. See :func:`get_workspace`."""
+    config = MoeConfig() if config is None else config
+    if not isinstance(config, MoeConfig):
+        raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+    ep = _dist.resolve(_dist.group_name_of(group))
+    device = torch.device(device)
+    error: Exception | None = None
+    desc = None
+    sizes = dict(num_local_tokens=num_local_tokens, hidden=hidden, intermediate=intermediate,
+                 num_experts=num_experts, topk=topk, shared_intermediate=shared_intermediate)
+    try:
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        for name, value in asdict(config).items():
+            _int_or_none(value, f"MoeConfig.{name}")
+        _checks.check_swiglu_limit(swiglu_limit)
+        desc = _C.MoeDesc(tokens_per_rank=num_local_tokens, hidden=hidden, intermediate=intermediate,
+                          num_experts=num_experts, topk=topk, ranks=ep.size, shared_intermediate=shared_intermediate,
+                          swiglu_limit=swiglu_limit)
+        desc.validate()
+    except (TypeError, ValueError) as e:
+        error = e
+    values: dict[str, float | int | None] = {k: v if isinstance(v, int) else 0 for k, v in sizes.items()}
+    values["swiglu_limit"] = swiglu_limit if isinstance(swiglu_limit, (int, float)) else None
+    for name, value in asdict(config).items():
+        values[f"MoeConfig.{name}"] = value if isinstance(value, int) else None
+    _dist.agree(ep, "get_workspace", error, values)
+
+    facts = _device_facts(device)
+    comm_sms = config.comm_sms
+    if comm_sms is None and device.type == "cpu":
+        # The CPU backend has no SMs to split; 1 keeps the planner's arithmetic valid (its cpu
+        # device default would take both nominal SMs).
+        comm_sms = 1
+    plan = _C.plan(desc, facts, comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
+                   ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
+    buffers: dict[str, Tensor] = {}
+    handle = None
+    if device.type == "cuda":
+        buffers, handle = _cuda_buffers(plan["workspace_bytes"], ep, device)
+    return Workspace(desc, config, plan, ep.name, ep.rank, device, buffers, handle)
+
+
+def _cuda_buffers(sizes: dict[str, int], ep: _dist.EpGroup, device: torch.device) -> tuple[dict[str, Tensor], Any]:
+    """The GPU workspace, sized by the planner: symmetric memory when peers must address it."""
+    handle = None
+    if ep.size > 1:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symmetric = symm_mem.empty(sizes["symmetric"], dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(symmetric, ep.name)
+    else:
+        symmetric = torch.empty(sizes["symmetric"], dtype=torch.uint8, device=device)
+    buffers = {
+        "symmetric": symmetric,
+        "schedule": torch.empty(sizes["schedule"], dtype=torch.uint8, device=device),
+        "ring": torch.empty(sizes["ring"], dtype=torch.uint8, device=device),
+    }
+    return buffers, handle
+
+
+def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, device: torch.device | str,
+                  num_local_tokens: int, hidden: int, intermediate: int, num_experts: int, topk: int,
+                  shared_intermediate: int = 0, swiglu_limit: float | None = None) -> Workspace:
+    """The workspace for one layer shape on ``group`` (``None``: no expert parallelism), cached.
+
+    Collective over ``group`` the first time a shape is asked for: every rank must ask for the
+    same shape (ValueError naming the field otherwise). ``config`` overrides the planner's choices.
+    """
+    key = (_dist.group_name_of(group), str(torch.device(device)), num_local_tokens, hidden, intermediate,
+           num_experts, topk, shared_intermediate, swiglu_limit, config)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = create_workspace(config, group, device=device, num_local_tokens=num_local_tokens, hidden=hidden,
+                              intermediate=intermediate, num_experts=num_experts, topk=topk,
+                              shared_intermediate=shared_intermediate, swiglu_limit=swiglu_limit)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def clear_workspace_cache() -> None:
+    """Forgets every cached workspace (their buffers are freed when no longer referenced)."""
+    _WORKSPACES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The explicit passes
+# ---------------------------------------------------------------------------------------------
+
+
+def _unpack_shared(shared: object) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    if shared is None:
+        return None, None, None
+    if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+        raise TypeError("shared must be None or a (s_gate, s_up, s_down) tuple of tensors")
+    return shared[0], shared[1], shared[2]
+
+
+def _check_workspace(ws: object) -> Workspace:
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"workspace must be a mok.Workspace (from mok.get_workspace), got {type(ws).__name__}")
+    return ws
+
+
+def _check_against_workspace(ws: Workspace, shape: _checks.LayerShape) -> None:
+    d = ws.desc
+    expected = (("T (tokens)", d.tokens_per_rank, shape.tokens), ("H (hidden)", d.hidden, shape.hidden),
+                ("I (intermediate)", d.intermediate, shape.intermediate), ("k (top-k)", d.topk, shape.topk),
+                ("El (local experts)", d.local_experts, shape.local_experts),
+                ("Is (shared intermediate)", d.shared_intermediate, shape.shared_intermediate))
+    for name, want, got in expected:
+        if want != got:
+            raise ValueError(f"the inputs have {name} = {got}, the workspace was made for {want} ({d}); "
+                             "get a workspace for this shape with mok.get_workspace")
+
+
+def _schedule_list(schedule: object) -> list[Tensor]:
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a mok.Schedule (from mok.build_schedule), got {type(schedule).__name__}")
+    return list(schedule)
+
+
+def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
+    """The routing schedule of one pass; collective. ``topk_idx`` int32/int64 ``[T,k]``, global expert ids
+    in ``[0, E)`` (ValueError naming the first one that is not)."""
+    ws = _check_workspace(workspace)
+    _checks.check_tensor(topk_idx, "topk_idx", _checks.INDEX_DTYPES,
+                         (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device)
+    return Schedule(*torch.ops.mok.build_schedule(topk_idx.contiguous(), ws.num_experts, ws.group_name))
+
+
+def forward(workspace: Workspace, schedule: Schedule, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
+            w_down: Tensor, shared: SharedWeights | None = None) -> tuple[Tensor, ForwardContext]:
+    """``(y [T,H] bf16, context)``; collective. Not recorded by autograd (see :func:`moe` for that)."""
+    ws = _check_workspace(workspace)
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit)
+    _check_against_workspace(ws, shape)
+    with torch.no_grad():
+        y, *context = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up,
+                                            s_down, _schedule_list(schedule), ws.desc.swiglu_limit, ws.group_name,
+                                            True)
+    return y, ForwardContext(*context)
+
+
+def recompute_forward_context(workspace: Workspace, schedule: Schedule, x: Tensor, w_gate: Tensor, w_up: Tensor,
+                              w_down: Tensor, shared: SharedWeights | None = None) -> ForwardContext:
+    """The context :func:`forward` returned, recomputed bitwise (for activation checkpointing); collective.
+    ``w_down`` is needed because the C++ stage computes the down projection along (it is dropped)."""
+    ws = _check_workspace(workspace)
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, None, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit,
+                                topk=ws.desc.topk)
+    _check_against_workspace(ws, shape)
+    with torch.no_grad():
+        context = torch.ops.mok.recompute_forward_context(x.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
+                                                          _schedule_list(schedule), ws.desc.topk,
+                                                          ws.desc.swiglu_limit, ws.group_name)
+    return ForwardContext(*context)
+
+
+def backward(workspace: Workspace, schedule: Schedule, context: ForwardContext, dy: Tensor, x: Tensor,
+             topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+             shared: SharedWeights | None = None) -> Gradients:
+    """Every gradient for ``dy = dL/dy`` (bf16 ``[T,H]``); collective."""
+    ws = _check_workspace(workspace)
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit)
+    _check_against_workspace(ws, shape)
+    if not isinstance(context, ForwardContext):
+        raise TypeError(f"context must be a mok.ForwardContext (from mok.forward), got {type(context).__name__}")
+    with torch.no_grad():
+        grads = torch.ops.mok.backward(dy.contiguous() if isinstance(dy, Tensor) else dy, x.contiguous(),
+                                       topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
+                                       _schedule_list(schedule), list(context), ws.desc.swiglu_limit, ws.group_name)
+    d_x, d_topk_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down = grads
+    if s_gate is None:
+        d_s_gate = d_s_up = d_s_down = None
+    return Gradients(d_x, d_topk_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down)
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd-aware layer
+# ---------------------------------------------------------------------------------------------
+
+
+def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+        shared: SharedWeights | None = None, *, swiglu_limit: float | None = None,
+        group: dist.ProcessGroup | None = None, save_context: bool = True) -> Tensor:
+    """The MoE layer after the router, differentiable: ``y [T,H]`` bf16.
+
+    ``y[t] = shared(x[t]) + sum_j topk_w[t,j] * expert_{topk_idx[t,j]}(x[t])`` with SwiGLU experts
+    (clamped at ``swiglu_limit``, gpt-oss style, when given). Gradients flow to x, topk_w and every
+    weight. ``group``: the expert-parallel process group (any group, subgroups included; None: all
+    experts local). ``save_context=False`` keeps only the inputs and recomputes the forward's
+    intermediates in the backward (bitwise the same gradients, less memory).
+    """
+    ranks = 1 if group is None else dist.get_world_size(group)
+    return _moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, _dist.group_name_of(group), ranks,
+                save_context)
+
+
+def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+         shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+         save_context: bool) -> Tensor:
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
+                                topk_idx=topk_idx)
+    if swiglu_limit is not None:
+        swiglu_limit = float(swiglu_limit)
+    schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)
+    y, *_ = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
+                                  list(schedule), swiglu_limit, group_name, save_context)
+    return y
+
