@@ -13,6 +13,8 @@ namespace mok::cuda {
 namespace {
 
 using Shape_ = detail::GroupedGemmShape;
+// sm_90's largest opt-in shared memory per block: 227 KiB.
+static_assert(sizeof(detail::GroupedGemmSharedStorage<Shape_>) <= 232448, "shared storage exceeds 227 KiB");
 using Tma = detail::GroupedGemmTma<Shape_>;
 
 void check(cudaError_t e, const char* what) {
@@ -37,6 +39,13 @@ void launch(const detail::GroupedGemmParams<Shape_, Epilogue>& params, int num_s
 }
 
 const cute::bfloat16_t* bf(const void* p) { return static_cast<const cute::bfloat16_t*>(p); }
+
+detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride, int planes,
+                                 int64_t plane_stride) {
+  return {detail::make_store_tma(static_cast<cute::bfloat16_t*>(ptr), int(rows), int(cols), row_stride, planes,
+                                    plane_stride),
+          int(rows), int(cols), planes};
+}
 
 }  // namespace
 
@@ -82,8 +91,9 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
       Tma::make_b(bf(a.w_up), int(a.intermediate), int(a.hidden), int(a.local_experts)),
       int(a.row_capacity), int(a.hidden), int(a.intermediate), int(a.local_experts),
       int((a.intermediate + Shape_::kHalfN - 1) / Shape_::kHalfN), /*b1_row_shift=*/0, a.expert_offsets, a.status,
-      {static_cast<__nv_bfloat16*>(a.h), static_cast<__nv_bfloat16*>(a.gu), int(a.intermediate),
-       a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)}};
+      {store_target(a.h, a.row_capacity, a.intermediate, a.intermediate, 1, 0),
+       store_target(a.gu != nullptr ? a.gu : a.h, a.row_capacity, a.intermediate, 2 * a.intermediate, 2, a.intermediate),
+       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)}};
   launch(p, a.num_sms, stream);
 }
 
@@ -96,7 +106,7 @@ void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
       Tma::make_b(bf(a.w_down), int(a.hidden), int(a.intermediate), int(a.local_experts)),
       int(a.row_capacity), int(a.intermediate), int(a.hidden), int(a.local_experts),
       int((a.hidden + Shape_::kBlockN - 1) / Shape_::kBlockN), /*b1_row_shift=*/1, a.expert_offsets, a.status,
-      {static_cast<__nv_bfloat16*>(a.y), int(a.hidden)}};
+      {store_target(a.y, a.row_capacity, a.hidden, a.hidden, 1, 0)}};
   launch(p, a.num_sms, stream);
 }
 

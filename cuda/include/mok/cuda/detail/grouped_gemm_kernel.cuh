@@ -15,6 +15,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "mok/cuda/detail/expert_epilogues.cuh"
 #include "mok/cuda/detail/grouped_tile_scheduler.cuh"
 
 namespace mok::cuda::detail {
@@ -27,7 +28,7 @@ struct GroupedGemmShape {
   static constexpr int kHalfN = 128;
   static constexpr int kBlockK = 64;
   static constexpr int kStages = 4;
-  static constexpr int kMaxExperts = 1024;
+  static constexpr int kMaxExperts = 512;  // per launch (rank); what fits beside 4 stages and 2 staging tiles
   static constexpr int kThreads = 384;
   using TileA = Shape<Int<kBlockM>, Int<kBlockK>>;
   using TileBHalf = Shape<Int<kHalfN>, Int<kBlockK>>;
@@ -51,6 +52,7 @@ template <class Shape_>
 struct GroupedGemmSharedStorage {
   alignas(1024) bfloat16_t a[cosize_v<typename Shape_::SmemLayoutA>];
   alignas(1024) bfloat16_t b[cosize_v<typename Shape_::SmemLayoutB>];
+  alignas(1024) bfloat16_t staging[kEpilogueBuffers][cosize_v<SmemLayoutEpilogue>];  // epilogue's 128 x 64 output tiles
   typename Shape_::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<Shape_::kMaxExperts> tiles;
 };
@@ -100,8 +102,7 @@ __global__ void __launch_bounds__(Shape_::kThreads, 1)
 
   // ---- tile schedule (warp 0), then barriers ----
   if (warp == 0) {
-    const int bad = GroupedTileScheduler<S::kBlockM, S::kMaxExperts>::init(smem.tiles, p.offsets, p.experts,
-                                                                           p.n_blocks, p.rows);
+    const int bad = GroupedTileScheduler<S::kBlockM, S::kMaxExperts>::init(smem.tiles, p.offsets, p.experts, p.rows);
     if (bad != 0 && threadIdx.x == 0 && blockIdx.x == 0 && p.status != nullptr) atomicCAS(p.status, 0, bad);
     if (threadIdx.x == 0) {
       prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
@@ -205,8 +206,9 @@ __global__ void __launch_bounds__(Shape_::kThreads, 1)
         ++release_state;
       }
       warpgroup_fence_operand(acc);
-      Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread);
+      Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
     }
+    drain_stores(consumer_thread);
   }
 }
 
