@@ -92,7 +92,9 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
       int(a.row_capacity), int(a.hidden), int(a.intermediate), int(a.local_experts),
       int((a.intermediate + Shape_::kHalfN - 1) / Shape_::kHalfN), /*b1_row_shift=*/0, a.expert_offsets, a.status,
       {store_target(a.h, a.row_capacity, a.intermediate, a.intermediate, 1, 0),
-       store_target(a.gu != nullptr ? a.gu : a.h, a.row_capacity, a.intermediate, 2 * a.intermediate, 2, a.intermediate),
+       store_target(a.gu != nullptr ? a.gu : a.h, a.row_capacity, a.intermediate, 2 * a.intermediate, 1, 0),
+       store_target(a.gu != nullptr ? static_cast<cute::bfloat16_t*>(a.gu) + a.intermediate : a.h, a.row_capacity,
+                    a.intermediate, 2 * a.intermediate, 1, 0),
        a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)}};
   launch(p, a.num_sms, stream);
 }

@@ -82,11 +82,11 @@ __device__ __forceinline__ void drain_stores(int thread) {
 }
 
 // h[row, col] = act(g, u) over the tile's 128 gate columns and their 128 up columns; with save_gu,
-// also g and u (bf16, clamp side preserved) as planes 0 and 1 of gu[2][rows, I] viewed in place
-// as gu[rows, 2I] (row stride 2I, plane stride I).
+// also g and u (bf16, clamp side preserved) into gu[rows, 2I]: g at columns [0, I) (target g),
+// u at [I, 2I) (target u, the same buffer offset by I).
 struct SwiGluEpilogue {
   struct Params {
-    StoreTensor h, gu;
+    StoreTensor h, g, u;
     bool save_gu;
     bool has_limit;
     float limit;
@@ -109,8 +109,8 @@ struct SwiGluEpilogue {
       CUTE_UNROLL
       for (int c = 0; c < 2; ++c) {
         const int i0 = 32 * c + 64 * plane;
-        store_chunk(staging, 2 + 2 * plane + c, p.gu, coords, i0, 64 * c + 128 * plane, t.m_block, 2 * t.n_block + c,
-                    plane, thread,
+        store_chunk(staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, i0, 64 * c + 128 * plane, t.m_block,
+                    2 * t.n_block + c, 0, thread,
                     [&](int i) {
                       __nv_bfloat162 v;
                       if (p.has_limit) {
