@@ -32,7 +32,7 @@ Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -209,8 +209,6 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
                      shared_intermediate: int = 0, swiglu_limit: float | None = None) -> Workspace:
     """A new workspace (uncached); collective over ``group``. See :func:`get_workspace`."""
     config = MoeConfig() if config is None else config
-    if not isinstance(config, MoeConfig):
-        raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
     ep = _dist.resolve(_dist.group_name_of(group))
     device = torch.device(device)
     error: Exception | None = None
@@ -218,6 +216,8 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     sizes = dict(num_local_tokens=num_local_tokens, hidden=hidden, intermediate=intermediate,
                  num_experts=num_experts, topk=topk, shared_intermediate=shared_intermediate)
     try:
+        if not isinstance(config, MoeConfig):
+            raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -232,9 +232,11 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
         error = e
     values: dict[str, float | int | None] = {k: v if isinstance(v, int) else 0 for k, v in sizes.items()}
     values["swiglu_limit"] = swiglu_limit if isinstance(swiglu_limit, (int, float)) else None
-    for name, value in asdict(config).items():
-        values[f"MoeConfig.{name}"] = value if isinstance(value, int) else None
+    for f in fields(MoeConfig):
+        value = getattr(config, f.name, None)
+        values[f"MoeConfig.{f.name}"] = value if isinstance(value, int) else None
     _dist.agree(ep, "get_workspace", error, values)
+    assert isinstance(config, MoeConfig) and desc is not None
 
     facts = _device_facts(device)
     comm_sms = config.comm_sms
@@ -277,8 +279,13 @@ def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, 
     Collective over ``group`` the first time a shape is asked for: every rank must ask for the
     same shape (ValueError naming the field otherwise). ``config`` overrides the planner's choices.
     """
-    key = (_dist.group_name_of(group), str(torch.device(device)), num_local_tokens, hidden, intermediate,
-           num_experts, topk, shared_intermediate, swiglu_limit, config)
+    if config is not None and not isinstance(config, MoeConfig):  # rejected on every rank, below
+        return create_workspace(config, group, device=device, num_local_tokens=num_local_tokens, hidden=hidden,
+                                intermediate=intermediate, num_experts=num_experts, topk=topk,
+                                shared_intermediate=shared_intermediate, swiglu_limit=swiglu_limit)
+    # Values with their types: 6.0 must not find the workspace of 6 (it gets rejected, on every rank).
+    values = (num_local_tokens, hidden, intermediate, num_experts, topk, shared_intermediate, swiglu_limit, config)
+    key = (_dist.group_name_of(group), str(torch.device(device))) + tuple((type(v), v) for v in values)
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = create_workspace(config, group, device=device, num_local_tokens=num_local_tokens, hidden=hidden,

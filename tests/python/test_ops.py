@@ -1,0 +1,119 @@
+"""The torch.library ops in every mode: opcheck, fake tensors (CPU and CUDA devices, no GPU needed),
+torch.compile(fullgraph=True) forward and backward, bitwise equal to eager."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+import mok  # noqa: E402
+from mok import testing  # noqa: E402
+
+OPS = ("build_schedule", "forward", "backward", "recompute_forward_context")
+
+
+def test_ops_are_registered_once_with_schemas() -> None:
+    for name in OPS:
+        schema = str(getattr(torch.ops.mok, name).default._schema)
+        assert schema.startswith(f"mok::{name}("), schema
+    assert "Tensor[] schedule" in str(torch.ops.mok.forward.default._schema)
+    assert "float? swiglu_limit" in str(torch.ops.mok.forward.default._schema)
+
+
+@pytest.mark.parametrize("shared, limit, tokens, save_context", [(0, None, 7, True), (4, 0.8, 9, True),
+                                                                 (4, None, 0, True), (0, None, 5, False)])
+def test_opcheck(shared: int, limit: float | None, tokens: int, save_context: bool) -> None:
+    p = testing.random_problem(tokens, 4, 16, 8, 2, shared_intermediate=shared, swiglu_limit=limit, seed=tokens)
+    s = list(p.shared) if p.shared else [None, None, None]
+    schedule = list(torch.ops.mok.build_schedule(p.topk_idx, 4, ""))
+    torch.library.opcheck(mok.ops.build_schedule, (p.topk_idx, 4, ""))
+
+    def grad(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().clone().requires_grad_()
+
+    torch.library.opcheck(mok.ops.forward, (grad(p.x), grad(p.topk_w), grad(p.w_gate), grad(p.w_up), grad(p.w_down),
+                                            *(grad(t) for t in s), schedule, limit, "", save_context))
+    y, *context = torch.ops.mok.forward(p.x, p.topk_w, p.w_gate, p.w_up, p.w_down, *s, schedule, limit, "", True)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(mok.ops.backward, (dy, p.x, p.topk_w, p.w_gate, p.w_up, p.w_down, *s, schedule, context,
+                                             limit, ""))
+    torch.library.opcheck(mok.ops.recompute_forward_context, (p.x, p.w_gate, p.w_up, p.w_down, *s, schedule, 2,
+                                                              limit, ""))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fake_tensors(device: str) -> None:
+    """Shapes, dtypes and devices propagate through the layer and its backward on fake tensors."""
+    T, E, H, I, k, Is = 12, 8, 32, 16, 2, 8
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x = torch.empty(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+        topk_idx = torch.empty(T, k, dtype=torch.int64, device=device)
+        topk_w = torch.empty(T, k, dtype=torch.float32, device=device, requires_grad=True)
+        weights = [torch.empty(s, device=device, requires_grad=True) for s in ((E, I, H), (E, I, H), (E, H, I))]
+        shared = tuple(torch.empty(s, dtype=torch.bfloat16, device=device, requires_grad=True)
+                       for s in ((Is, H), (Is, H), (H, Is)))
+        y = mok.moe(x, topk_idx, topk_w, *weights, shared)
+        assert (tuple(y.shape), y.dtype, y.device.type) == ((T, H), torch.bfloat16, device)
+        schedule = torch.ops.mok.build_schedule(topk_idx, E, "")
+        assert [t.dtype for t in schedule] == [torch.int64, torch.int32, torch.int32, torch.int64, torch.int64,
+                                               torch.int64, torch.int64]
+        assert tuple(schedule[0].shape) == (E + 1,) and tuple(schedule[5].shape) == (T * k,)
+        if device == "cpu":  # the autograd engine needs a real GPU to run a CUDA backward, even a fake one
+            y.sum().backward()
+            grads = [x.grad, topk_w.grad] + [w.grad for w in weights + list(shared)]
+        else:
+            _, *context = torch.ops.mok.forward(x, topk_w, *weights, *shared, list(schedule), None, "", True)
+            grads = torch.ops.mok.backward(torch.empty_like(y), x, topk_w, *weights, *shared, list(schedule),
+                                           context, None, "")
+        for g, t in zip(grads, [x, topk_w] + weights + list(shared)):
+            assert (g.shape, g.dtype, g.device.type) == (t.shape, t.dtype, device)
+        # The fake implementations run the same checks as the real ones.
+        with pytest.raises(TypeError, match="x must be bfloat16"):
+            mok.moe(x.float(), topk_idx, topk_w, *weights)
+
+
+def test_compile_fullgraph_is_bitwise_eager() -> None:
+    """mok.moe under torch.compile(fullgraph=True), dynamic shapes, forward and backward, with and
+    without a saved context: the same bits as eager."""
+    p = testing.random_problem(10, 8, 32, 16, 2, shared_intermediate=8, swiglu_limit=2.0, seed=3)
+    params = [t.float().requires_grad_() for t in (p.w_gate, p.w_up, p.w_down, *p.shared)]
+    x = p.x.clone().requires_grad_()
+    topk_w = p.topk_w.clone().requires_grad_()
+
+    def loss(x: torch.Tensor, topk_w: torch.Tensor, save_context: bool) -> torch.Tensor:
+        y = mok.moe(x, p.topk_idx, topk_w, *params[:3], tuple(params[3:]), swiglu_limit=2.0,
+                    save_context=save_context)
+        return y.float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    results = []
+    for fn, save_context in ((loss, True), (compiled, True), (compiled, False)):
+        value = fn(x, topk_w, save_context)
+        value.backward()
+        results.append([value.detach()] + [t.grad.clone() for t in [x, topk_w] + params])
+        for t in [x, topk_w] + params:
+            t.grad = None
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_compiled_module_trains() -> None:
+    """The module with its router compiles in one graph, forward and backward, and matches eager
+    (up to the router's fused softmax, which inductor may round differently)."""
+    torch.manual_seed(0)
+    m = mok.MoE(8, 32, 16, 2, shared_intermediate=8, router="softmax")
+    x = torch.randn(2, 5, 32)
+    compiled = torch.compile(m, fullgraph=True)
+    y_eager, y_compiled = m(x), compiled(x)
+    assert y_compiled.shape == x.shape and y_compiled.dtype == torch.float32
+    assert testing.relative_error(y_compiled, y_eager) < 1e-2
+    y_compiled.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
