@@ -82,8 +82,14 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, float]:
         "nvlink_read_gbps_copy_engine": rate(lambda: local.copy_(remote)),
         "nvlink_write_gbps_copy_engine": rate(lambda: remote.copy_(local)),
     }
+    # Data check on a clean write (the timed ops above negate back and forth): every rank writes
+    # its rank into its right neighbour's buffer; ours must then hold our left neighbour's rank.
+    local.fill_(rt.rank)
+    torch.cuda.synchronize()
     rt.barrier()
-    # Data check: after the last write, our buffer holds our left neighbour's value.
+    remote.copy_(local)
+    torch.cuda.synchronize()
+    rt.barrier()
     left = (rt.rank - 1) % rt.world_size
     if float(symm_buf[0]) != float(left) or float(symm_buf[-1]) != float(left):
         raise RuntimeError(f"peer write check failed: expected {left}, got {float(symm_buf[0])}")
