@@ -24,3 +24,13 @@ if ! "$MOK_VENV/bin/python" -c "import torch, numpy, pytest, matplotlib, tqdm, c
   echo "setup: installing Python packages into $MOK_VENV (PyTorch is a large download, once)"
   "$MOK_VENV/bin/pip" install -q --disable-pip-version-check -r "$MOK_ROOT/requirements.txt"
 fi
+
+# CUTLASS/CuTe headers for the sm_90a kernels, from the pinned nvidia-cutlass wheel, into .deps/
+# (ignored by git; the GPU script carries it to the device machine).
+if command -v nvcc >/dev/null && [ ! -f "$MOK_ROOT/.deps/cutlass/include/cute/tensor.hpp" ]; then
+  src="$("$MOK_VENV/bin/python" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')"
+  echo "setup: copying CUTLASS headers from $src"
+  mkdir -p "$MOK_ROOT/.deps/cutlass"
+  rm -rf "$MOK_ROOT/.deps/cutlass/include"
+  cp -r "$src" "$MOK_ROOT/.deps/cutlass/include"
+fi
