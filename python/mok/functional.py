@@ -33,7 +33,7 @@ Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+_R = TypeVar("_R")
 SharedWeights = tuple[Tensor, Tensor, Tensor]
 
 
@@ -337,26 +338,45 @@ def _schedule_list(schedule: object) -> list[Tensor]:
     return list(schedule)
 
 
+def _checked(group_name: str, step: str, check: Callable[[], _R]) -> _R:
+    """Runs the local checks of a collective call. With a group, a failure is first reported to the
+    other ranks, which are waiting in that step's agreement: they raise too, naming this rank."""
+    if torch.compiler.is_compiling():  # traced on every rank alike; errors surface at trace time
+        return check()
+    try:
+        return check()
+    except (TypeError, ValueError) as error:
+        _dist.agree(_dist.resolve(group_name), step, error, {})
+        raise
+
+
 def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
     """The routing schedule of one pass; collective. ``topk_idx`` int32/int64 ``[T,k]``, global expert ids
     in ``[0, E)`` (ValueError naming the first one that is not)."""
     ws = _check_workspace(workspace)
-    _checks.check_tensor(topk_idx, "topk_idx", _checks.INDEX_DTYPES,
-                         (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device)
+    _checked(ws.group_name, "build_schedule", lambda: _checks.check_tensor(
+        topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device))
     return Schedule(*torch.ops.mok.build_schedule(topk_idx.contiguous(), ws.num_experts, ws.group_name))
+
+
+def _check_pass(ws: Workspace, schedule: object, x: object, topk_w: object, weights: tuple[object, ...],
+                shared: object, topk: int | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, topk_w, *weights, s_gate, s_up, s_down, ws.desc.swiglu_limit, topk=topk)
+    _check_against_workspace(ws, shape)
+    _schedule_list(schedule)
+    return s_gate, s_up, s_down
 
 
 def forward(workspace: Workspace, schedule: Schedule, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
             w_down: Tensor, shared: SharedWeights | None = None) -> tuple[Tensor, ForwardContext]:
     """``(y [T,H] bf16, context)``; collective. Not recorded by autograd (see :func:`moe` for that)."""
     ws = _check_workspace(workspace)
-    s_gate, s_up, s_down = _unpack_shared(shared)
-    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit)
-    _check_against_workspace(ws, shape)
+    s_gate, s_up, s_down = _checked(ws.group_name, "forward", lambda: _check_pass(
+        ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared))
     with torch.no_grad():
         y, *context = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up,
-                                            s_down, _schedule_list(schedule), ws.desc.swiglu_limit, ws.group_name,
-                                            True)
+                                            s_down, list(schedule), ws.desc.swiglu_limit, ws.group_name, True)
     return y, ForwardContext(*context)
 
 
@@ -365,14 +385,12 @@ def recompute_forward_context(workspace: Workspace, schedule: Schedule, x: Tenso
     """The context :func:`forward` returned, recomputed bitwise (for activation checkpointing); collective.
     ``w_down`` is needed because the C++ stage computes the down projection along (it is dropped)."""
     ws = _check_workspace(workspace)
-    s_gate, s_up, s_down = _unpack_shared(shared)
-    shape = _checks.check_layer(x, None, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit,
-                                topk=ws.desc.topk)
-    _check_against_workspace(ws, shape)
+    s_gate, s_up, s_down = _checked(ws.group_name, "recompute_forward_context", lambda: _check_pass(
+        ws, schedule, x, None, (w_gate, w_up, w_down), shared, topk=ws.desc.topk))
     with torch.no_grad():
         context = torch.ops.mok.recompute_forward_context(x.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
-                                                          _schedule_list(schedule), ws.desc.topk,
-                                                          ws.desc.swiglu_limit, ws.group_name)
+                                                          list(schedule), ws.desc.topk, ws.desc.swiglu_limit,
+                                                          ws.group_name)
     return ForwardContext(*context)
 
 
@@ -381,15 +399,18 @@ def backward(workspace: Workspace, schedule: Schedule, context: ForwardContext, 
              shared: SharedWeights | None = None) -> Gradients:
     """Every gradient for ``dy = dL/dy`` (bf16 ``[T,H]``); collective."""
     ws = _check_workspace(workspace)
-    s_gate, s_up, s_down = _unpack_shared(shared)
-    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, ws.desc.swiglu_limit)
-    _check_against_workspace(ws, shape)
-    if not isinstance(context, ForwardContext):
-        raise TypeError(f"context must be a mok.ForwardContext (from mok.forward), got {type(context).__name__}")
+
+    def check() -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if not isinstance(context, ForwardContext):
+            raise TypeError(f"context must be a mok.ForwardContext (from mok.forward), got {type(context).__name__}")
+        _checks.check_tensor(dy, "dy", (torch.bfloat16,), (("T", ws.desc.tokens_per_rank), ("H", ws.desc.hidden)))
+        return _check_pass(ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared)
+
+    s_gate, s_up, s_down = _checked(ws.group_name, "backward", check)
     with torch.no_grad():
-        grads = torch.ops.mok.backward(dy.contiguous() if isinstance(dy, Tensor) else dy, x.contiguous(),
-                                       topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
-                                       _schedule_list(schedule), list(context), ws.desc.swiglu_limit, ws.group_name)
+        grads = torch.ops.mok.backward(dy.contiguous(), x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
+                                       s_gate, s_up, s_down, list(schedule), list(context), ws.desc.swiglu_limit,
+                                       ws.group_name)
     d_x, d_topk_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down = grads
     if s_gate is None:
         d_s_gate = d_s_up = d_s_down = None
@@ -420,9 +441,13 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
 def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
          shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
          save_context: bool) -> Tensor:
-    s_gate, s_up, s_down = _unpack_shared(shared)
-    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
-                                topk_idx=topk_idx)
+    def check() -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape]:
+        s_gate, s_up, s_down = _unpack_shared(shared)
+        shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
+                                    topk_idx=topk_idx)
+        return s_gate, s_up, s_down, shape
+
+    s_gate, s_up, s_down, shape = _checked(group_name, "build_schedule", check)
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)

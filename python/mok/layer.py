@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks, _dist
-from .functional import _moe
+from .functional import _checked, _moe
 
 __all__ = ["MoE", "TopKRouter"]
 
@@ -206,26 +206,13 @@ class MoE(nn.Module):
                     w.normal_(0.0, 1.0 / math.sqrt(fan_in))
 
     def forward(self, x: Tensor, topk_idx: Tensor | None = None, topk_w: Tensor | None = None) -> Tensor:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"x must be bfloat16 or float32 (the layer computes in bf16), got {x.dtype}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ValueError(f"x must be [..., H={self.hidden}], got {tuple(x.shape)}")
+        # With a group, a local failure is reported to the other ranks too (they raise, naming this one).
+        _checked(self.group_name, "build_schedule", lambda: self._check_inputs(x, topk_idx, topk_w))
         rows = x.reshape(-1, self.hidden)
-        if topk_idx is None and topk_w is None:
-            if self.router is None:
-                raise TypeError("MoE.forward needs topk_idx and topk_w: this MoE has no router")
+        if topk_idx is None or topk_w is None:
+            assert self.router is not None
             topk_idx, topk_w = self.router(rows)
-        elif topk_idx is None or topk_w is None:
-            raise TypeError("pass both topk_idx and topk_w, or neither (to route with the module's router)")
         else:
-            for name, t in (("topk_idx", topk_idx), ("topk_w", topk_w)):
-                if not isinstance(t, Tensor):
-                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                if t.shape[:-1] != x.shape[:-1]:
-                    raise ValueError(f"{name} must be [..., k] with the leading shape of x {tuple(x.shape[:-1])}, "
-                                     f"got {tuple(t.shape)}")
             topk_idx = topk_idx.reshape(-1, topk_idx.shape[-1])
             topk_w = topk_w.reshape(-1, topk_w.shape[-1])
         shared = None
@@ -234,6 +221,26 @@ class MoE(nn.Module):
         y = _moe(rows.to(torch.bfloat16), topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared,
                  self.swiglu_limit, self.group_name, self.ep_size, self.save_context)
         return y.to(x.dtype).reshape(x.shape)
+
+    def _check_inputs(self, x: object, topk_idx: object, topk_w: object) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"x must be bfloat16 or float32 (the layer computes in bf16), got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ValueError(f"x must be [..., H={self.hidden}], got {tuple(x.shape)}")
+        if topk_idx is None and topk_w is None:
+            if self.router is None:
+                raise TypeError("MoE.forward needs topk_idx and topk_w: this MoE has no router")
+            return
+        if topk_idx is None or topk_w is None:
+            raise TypeError("pass both topk_idx and topk_w, or neither (to route with the module's router)")
+        for name, t in (("topk_idx", topk_idx), ("topk_w", topk_w)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() < 1 or t.shape[:-1] != x.shape[:-1]:
+                raise ValueError(f"{name} must be [..., k] with the leading shape of x {tuple(x.shape[:-1])}, "
+                                 f"got {tuple(t.shape)}")
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}", f"hidden={self.hidden}", f"intermediate={self.intermediate}",
