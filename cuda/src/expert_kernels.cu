@@ -12,10 +12,9 @@
 namespace mok::cuda {
 namespace {
 
-using Shape_ = detail::GroupedGemmShape;
+using detail::GemmConfig;
 // sm_90's largest opt-in shared memory per block: 227 KiB.
-static_assert(sizeof(detail::GroupedGemmSharedStorage<Shape_>) <= 232448, "shared storage exceeds 227 KiB");
-using Tma = detail::GroupedGemmTma<Shape_>;
+static_assert(sizeof(detail::GroupedGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mok cuda: ") + what + ": " + cudaGetErrorString(e));
@@ -29,22 +28,59 @@ int device_sms(int requested) {
   return sms;
 }
 
-template <class Epilogue>
-void launch(const detail::GroupedGemmParams<Shape_, Epilogue>& params, int num_sms, cudaStream_t stream) {
-  auto kernel = detail::grouped_gemm_kernel<Shape_, Epilogue>;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<Shape_>));
+template <class Mainloop, class Epilogue>
+void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num_sms, cudaStream_t stream) {
+  auto kernel = detail::grouped_gemm_kernel<Mainloop, Epilogue>;
+  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
-  kernel<<<device_sms(num_sms), Shape_::kThreads, smem, stream>>>(params);
+  kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(params);
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
-const cute::bfloat16_t* bf(const void* p) { return static_cast<const cute::bfloat16_t*>(p); }
+using bf16_t = cute::bfloat16_t;
+const bf16_t* bf(const void* p) { return static_cast<const bf16_t*>(p); }
+bf16_t* bf(void* p) { return static_cast<bf16_t*>(p); }
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride, int planes,
-                                 int64_t plane_stride) {
-  return {detail::make_store_tma(static_cast<cute::bfloat16_t*>(ptr), int(rows), int(cols), row_stride, planes,
-                                    plane_stride),
-          int(rows), int(cols), planes};
+detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
+  return {detail::make_store_tma(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
+}
+detail::StoreTensorF32 store_target_f32(float* ptr, int64_t rows, int64_t cols, int64_t experts) {
+  return {detail::make_store_tma_f32(ptr, int(rows), int(cols), cols, int(experts), rows * cols), int(rows), int(cols),
+          int(experts)};
+}
+
+template <class Mainloop, class Epilogue>
+detail::GroupedGemmParams<Mainloop, Epilogue> rows_params(const typename Mainloop::Params& m,
+                                                          const typename Epilogue::Params& e, int64_t experts,
+                                                          int64_t rows, int n_blocks, int k_blocks,
+                                                          const int32_t* offsets, int32_t* status) {
+  return {m, e, detail::TileOrder::grouped_rows, int(experts), int(rows), 0, n_blocks, k_blocks, offsets, status};
+}
+
+// y[offsets] = ... : the row reduction of the d topk_w partials, in column-block order.
+__global__ void reduce_row_partials(const float* partial, int blocks, int64_t rows, float* out) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; ++b) acc = __fadd_rn(acc, partial[r * blocks + b]);
+    out[r] = acc;
+  }
+}
+
+std::string common_checks(int64_t H, int64_t I, int64_t El, int64_t capacity, const int32_t* offsets) {
+  std::ostringstream why;
+  if (H < 8 || H % 8 != 0) why << "hidden must be a positive multiple of 8 (16-byte rows for TMA), got " << H << "; ";
+  if (I < 8 || I % 8 != 0) why << "intermediate must be a positive multiple of 8 (16-byte rows for TMA), got " << I << "; ";
+  if (El < 1 || El > GemmConfig::kMaxExperts)
+    why << "local_experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
+  if (capacity < 0 || capacity > (int64_t{1} << 30)) why << "row_capacity must be in [0, 2^30], got " << capacity << "; ";
+  if (offsets == nullptr) why << "expert_offsets is null; ";
+  return why.str();
+}
+
+std::string trimmed(std::string s) {
+  if (s.size() >= 2) s.resize(s.size() - 2);
+  return s;
 }
 
 }  // namespace
@@ -53,30 +89,33 @@ const char* status_message(int32_t code) {
   switch (code) {
     case kStatusOk: return "ok";
     case kStatusMisalignedOffsets: return "an expert offset is not a multiple of kRowAlign (128)";
-    case kStatusOffsetsOutOfRange: return "expert offsets decrease or exceed the row capacity";
+    case kStatusOffsetsOutOfRange: return "expert offsets decrease, do not start at 0, or exceed the row capacity";
   }
   return "unknown status";
 }
 
 std::string can_implement(const ExpertsForwardArgs& a) {
   std::ostringstream why;
-  if (a.hidden < 8 || a.hidden % 8 != 0) why << "hidden must be a positive multiple of 8 (16-byte rows for TMA), got " << a.hidden << "; ";
-  if (a.intermediate < 8 || a.intermediate % 8 != 0)
-    why << "intermediate must be a positive multiple of 8 (16-byte rows for TMA), got " << a.intermediate << "; ";
-  if (a.local_experts < 1 || a.local_experts > Shape_::kMaxExperts)
-    why << "local_experts must be in [1, " << Shape_::kMaxExperts << "], got " << a.local_experts << "; ";
-  if (a.row_capacity < 0 || a.row_capacity > (int64_t{1} << 30)) why << "row_capacity must be in [0, 2^30], got " << a.row_capacity << "; ";
-  if (a.expert_offsets == nullptr) why << "expert_offsets is null; ";
+  why << common_checks(a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
   if (a.x == nullptr || a.w_gate == nullptr || a.w_up == nullptr || a.w_down == nullptr || a.h == nullptr || a.y == nullptr)
     why << "x, w_gate, w_up, w_down, h and y must not be null; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  std::string s = why.str();
-  if (s.size() >= 2) s.resize(s.size() - 2);
-  return s;
+  return trimmed(why.str());
+}
+
+std::string can_implement(const ExpertsBackwardArgs& a) {
+  std::ostringstream why;
+  why << common_checks(a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
+  if (!a.x || !a.gu || !a.h || !a.dy || !a.row_weight || !a.w_gate || !a.w_up || !a.w_down || !a.dgu || !a.hw ||
+      !a.dw_partial || !a.dx || !a.d_row_weight || !a.d_w_gate || !a.d_w_up || !a.d_w_down)
+    why << "every pointer of ExpertsBackwardArgs must be set; ";
+  if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
+  return trimmed(why.str());
 }
 
 namespace {
-void require(const ExpertsForwardArgs& a) {
+template <class Args>
+void require(const Args& a) {
   const std::string why = can_implement(a);
   if (!why.empty()) throw std::invalid_argument("mok cuda experts: " + why);
 }
@@ -85,36 +124,98 @@ void require(const ExpertsForwardArgs& a) {
 void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  detail::GroupedGemmParams<Shape_, detail::SwiGluEpilogue> p{
-      Tma::make_a(bf(a.x), int(a.row_capacity), int(a.hidden)),
-      Tma::make_b(bf(a.w_gate), int(a.intermediate), int(a.hidden), int(a.local_experts)),
-      Tma::make_b(bf(a.w_up), int(a.intermediate), int(a.hidden), int(a.local_experts)),
-      int(a.row_capacity), int(a.hidden), int(a.intermediate), int(a.local_experts),
-      int((a.intermediate + Shape_::kHalfN - 1) / Shape_::kHalfN), /*b1_row_shift=*/0, a.expert_offsets, a.status,
-      {store_target(a.h, a.row_capacity, a.intermediate, a.intermediate, 1, 0),
-       store_target(a.gu != nullptr ? a.gu : a.h, a.row_capacity, a.intermediate, 2 * a.intermediate, 1, 0),
-       store_target(a.gu != nullptr ? static_cast<cute::bfloat16_t*>(a.gu) + a.intermediate : a.h, a.row_capacity,
-                    a.intermediate, 2 * a.intermediate, 1, 0),
-       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)}};
-  launch(p, a.num_sms, stream);
+  using Mainloop = detail::ForwardMainloop;
+  using Epilogue = detail::SwiGluEpilogue;
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  const Mainloop::Params m{Mainloop::make_a(bf(a.x), int(R), int(H)), Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
+                           Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(R), int(H), int(I), int(El),
+                           /*b1_row_shift=*/0};
+  void* gu = a.gu != nullptr ? a.gu : a.h;  // a valid pointer for the unused descriptors
+  const Epilogue::Params e{store_target(a.h, R, I, I), store_target(gu, R, I, 2 * I),
+                           store_target(a.gu != nullptr ? static_cast<void*>(bf(a.gu) + I) : a.h, R, I, 2 * I),
+                           a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(I, GemmConfig::kHalfN), ceil_div(H, GemmConfig::kBlockK),
+                                         a.expert_offsets, a.status),
+         a.num_sms, stream);
 }
 
 void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  detail::GroupedGemmParams<Shape_, detail::StoreEpilogue> p{
-      Tma::make_a(bf(a.h), int(a.row_capacity), int(a.intermediate)),
-      Tma::make_b(bf(a.w_down), int(a.hidden), int(a.intermediate), int(a.local_experts)),
-      Tma::make_b(bf(a.w_down), int(a.hidden), int(a.intermediate), int(a.local_experts)),
-      int(a.row_capacity), int(a.intermediate), int(a.hidden), int(a.local_experts),
-      int((a.hidden + Shape_::kBlockN - 1) / Shape_::kBlockN), /*b1_row_shift=*/1, a.expert_offsets, a.status,
-      {store_target(a.y, a.row_capacity, a.hidden, a.hidden, 1, 0)}};
-  launch(p, a.num_sms, stream);
+  using Mainloop = detail::ForwardMainloop;
+  using Epilogue = detail::StoreEpilogue;
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  const Mainloop::Params m{Mainloop::make_a(bf(a.h), int(R), int(I)), Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
+                           Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(R), int(I), int(H), int(El),
+                           /*b1_row_shift=*/1};
+  const Epilogue::Params e{store_target(a.y, R, H, H)};
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(H, GemmConfig::kBlockN), ceil_div(I, GemmConfig::kBlockK),
+                                         a.expert_offsets, a.status),
+         a.num_sms, stream);
 }
 
 void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
   gate_up_swiglu(a, stream);
   down_projection(a, stream);
+}
+
+void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  constexpr int kOnePlane = 1 << 30;
+  using KMajor = detail::BackwardMainloop<cute::GMMA::Major::K>;
+  using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
+  const int dw_blocks = int(dw_partial_blocks(I));
+
+  if (R > 0) {
+    // 1. dh = dy * W_down (B = W_down as (I, H, El), I contiguous), SwiGLU backward in the epilogue.
+    const KMajor::Params m{KMajor::make_a(bf(a.dy), int(R), int(H), 1, H, 0),
+                           KMajor::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
+                           KMajor::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
+                           int(R), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
+    const detail::SwiGluBackwardEpilogue::Params e{
+        static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
+        static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
+        a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+    launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, GemmConfig::kBlockK),
+                                                               a.expert_offsets, a.status),
+           a.num_sms, stream);
+    reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, R, a.d_row_weight);
+    check(cudaGetLastError(), "launch reduce_row_partials");
+
+    // 2. dx = dg * W_gate + du * W_up: A = dgu as (rows, I, 2 planes), B = W_gate then W_up as
+    //    (H, I, El), H contiguous; k-blocks of plane 0 then plane 1 into one accumulator.
+    const KMajor::Params m2{KMajor::make_a(bf(a.dgu), int(R), int(I), 2, 2 * I, I),
+                            KMajor::make_b(bf(a.w_gate), int(H), int(I), int(El), H, I * H),
+                            KMajor::make_b(bf(a.w_up), int(H), int(I), int(El), H, I * H),
+                            int(R), int(I), 2, int(H), int(I), int(El), ceil_div(I, GemmConfig::kBlockK), 1};
+    const detail::StoreEpilogue::Params e2{store_target(a.dx, R, H, H)};
+    launch(rows_params<KMajor, detail::StoreEpilogue>(m2, e2, El, R, ceil_div(H, GemmConfig::kBlockN),
+                                                      2 * ceil_div(I, GemmConfig::kBlockK), a.expert_offsets, a.status),
+           a.num_sms, stream);
+  }
+
+  // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
+  //    dW_down = dy^T hw. A is read transposed (MN-major), B too. Empty experts get zeros.
+  auto wgrad = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols,
+                   float* out) {
+    const MnMajor::Params m{MnMajor::make_a(bf(a_ptr), int(a_cols), int(R), 1, a_row_stride, 0),
+                            MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
+                            MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
+                            int(a_cols), int(R), 1, int(b_cols), int(R), 1, kOnePlane, /*b_by_expert=*/0};
+    const detail::StoreF32Epilogue::Params e{store_target_f32(out, a_cols, b_cols, El)};
+    detail::GroupedGemmParams<MnMajor, detail::StoreF32Epilogue> p{
+        m, e, detail::TileOrder::expert_weights, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
+        ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
+    launch(p, a.num_sms, stream);
+  };
+  // The row operands need at least one row for their descriptors; with no rows every expert is
+  // empty and the tiles store zeros without loading.
+  const int64_t rows_for_tma = R > 0 ? R : 1;
+  (void)rows_for_tma;
+  wgrad(a.dgu, I, 2 * I, a.x, H, a.d_w_gate);
+  wgrad(bf(a.dgu) + I, I, 2 * I, a.x, H, a.d_w_up);
+  wgrad(a.dy, H, H, a.hw, I, a.d_w_down);
 }
 
 }  // namespace mok::cuda

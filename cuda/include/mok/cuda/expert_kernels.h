@@ -47,6 +47,42 @@ void experts_forward(const ExpertsForwardArgs& args, cudaStream_t stream);
 void gate_up_swiglu(const ExpertsForwardArgs& args, cudaStream_t stream);
 void down_projection(const ExpertsForwardArgs& args, cudaStream_t stream);
 
+// The backward on the same grouped rows (reference.h: experts_backward). dy holds each row's
+// output gradient, unscaled; row_weight each row's router weight (0 for padding rows).
+struct ExpertsBackwardArgs {
+  int64_t row_capacity = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t local_experts = 0;
+  const int32_t* expert_offsets = nullptr;  // device [El+1], multiples of kRowAlign
+  const void* x = nullptr;           // [row_capacity, H] bf16, the forward's input rows
+  const void* gu = nullptr;          // [row_capacity, 2I] bf16, saved by the forward
+  const void* h = nullptr;           // [row_capacity, I] bf16, saved by the forward
+  const void* dy = nullptr;          // [row_capacity, H] bf16
+  const float* row_weight = nullptr; // [row_capacity]
+  const void* w_gate = nullptr;      // [El, I, H] bf16
+  const void* w_up = nullptr;        // [El, I, H] bf16
+  const void* w_down = nullptr;      // [El, H, I] bf16
+  void* dgu = nullptr;               // [row_capacity, 2I] bf16 scratch: dg | du
+  void* hw = nullptr;                // [row_capacity, I] bf16 scratch: w * h
+  float* dw_partial = nullptr;       // [row_capacity, dw_partial_blocks(I)] fp32 scratch
+  void* dx = nullptr;                // [row_capacity, H] bf16 out
+  float* d_row_weight = nullptr;     // [row_capacity] out
+  float* d_w_gate = nullptr;         // [El, I, H] fp32 out (overwritten; zero for empty experts)
+  float* d_w_up = nullptr;           // [El, I, H] fp32 out
+  float* d_w_down = nullptr;         // [El, H, I] fp32 out
+  std::optional<float> swiglu_limit;
+  int32_t* status = nullptr;
+  int num_sms = 0;
+};
+
+// Column blocks of I whose partial sums of d topk_w the backward keeps per row.
+inline int64_t dw_partial_blocks(int64_t intermediate) { return (intermediate + 255) / 256; }
+
+std::string can_implement(const ExpertsBackwardArgs& args);
+// dx rows, d row weight and fp32 weight gradients; reductions in a fixed order (no atomics).
+void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
+
 // Status codes written to ExpertsForwardArgs::status.
 enum StatusCode : int32_t {
   kStatusOk = 0,

@@ -22,10 +22,12 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
-// The staging tile: 128 rows x 64 bf16 columns, rows of 128 bytes with the 128-byte swizzle
+// The staging tile: 128 rows of 128 bytes (64 bf16 or 32 fp32 columns) with the 128-byte swizzle
 // (conflict-free for the accumulator's 8-row x 16-byte write pattern).
 using EpilogueTileShape = Shape<_128, _64>;
 using SmemLayoutEpilogue = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, EpilogueTileShape{}));
+using EpilogueTileShapeF32 = Shape<_128, _32>;
+using SmemLayoutEpilogueF32 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, EpilogueTileShapeF32{}));
 inline constexpr int kEpilogueThreads = 256;
 // Two staging tiles: chunk k is written into tile k % 2 while the bulk store of chunk k-1 drains.
 // Every epilogue stores an even number of chunks per tile, so each tile starts at staging tile 0.
@@ -49,27 +51,69 @@ struct StoreTensor {
   int rows, cols, planes;
 };
 
-// Writes chunk number `chunk` of a tile: value(i) for the thread's accumulator values [i0, i0+32)
-// goes to its (row, col - col0) in staging tile chunk % 2, then one thread stores that tile at
-// (m_block, n_chunk, plane). A staging tile is rewritten only after its previous bulk store (two
-// chunks back) has read it.
-template <class Coords, class Value>
-__device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, const StoreTensor& target,
-                                            const Coords& coords, int i0, int col0, int m_block, int n_chunk,
-                                            int plane, int thread, Value value) {
-  Tensor sC = make_tensor(make_smem_ptr(staging + (chunk % kEpilogueBuffers) * kStagingElems), SmemLayoutEpilogue{});
+// An fp32 target out[plane][rows, cols] (weight gradients: plane = expert).
+inline auto make_store_tma_f32(float* ptr, int rows, int cols, int64_t row_stride, int planes, int64_t plane_stride) {
+  Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, planes),
+                                                         make_stride(row_stride, _1{}, plane_stride)));
+  return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogueF32{}, EpilogueTileShapeF32{});
+}
+
+struct StoreTensorF32 {
+  decltype(make_store_tma_f32(nullptr, 1, 1, 1, 1, 1)) tma;
+  int rows, cols, planes;
+};
+
+template <class Target>
+struct StagingTraits;
+template <>
+struct StagingTraits<StoreTensor> {
+  using Element = bfloat16_t;
+  using Pair = __nv_bfloat162;
+  using Layout = SmemLayoutEpilogue;
+  using TileShape = EpilogueTileShape;
+  static constexpr int kCols = 64;
+};
+template <>
+struct StagingTraits<StoreTensorF32> {
+  using Element = float;
+  using Pair = float2;
+  using Layout = SmemLayoutEpilogueF32;
+  using TileShape = EpilogueTileShapeF32;
+  static constexpr int kCols = 32;
+};
+
+// Calls f(Int<0>{}), ..., f(Int<N-1>{}): loops whose index must be a compile-time constant (an
+// accumulator indexed at run time goes to local memory).
+template <int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  cute::for_each(make_int_sequence<N>{}, f);
+}
+
+// Writes chunk number `chunk` of a tile: value(Int<i>) for the thread's accumulator values
+// i in [kI0, kI0 + kCols/2) (pairs i, i+1) goes to its (row, col - col0) in staging tile chunk % 2,
+// then one thread stores that tile at (m_block, n_chunk, plane) of the target. A staging tile is
+// rewritten only after its previous bulk store (two chunks back) has read it.
+template <int kI0, class Target, class Coords, class Value>
+__device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, const Target& target,
+                                            const Coords& coords, int col0, int m_block, int n_chunk, int plane,
+                                            int thread, Value value) {
+  using Traits = StagingTraits<Target>;
+  using Element = typename Traits::Element;
+  using Pair = typename Traits::Pair;
+  Element* buffer = reinterpret_cast<Element*>(staging + (chunk % kEpilogueBuffers) * kStagingElems);
+  Tensor sC = make_tensor(make_smem_ptr(buffer), typename Traits::Layout{});
   if (thread == 0) tma_store_wait<kEpilogueBuffers - 1>();
   consumers_sync();
-  CUTE_UNROLL
-  for (int i = i0; i < i0 + 32; i += 2) {
+  static_for<Traits::kCols / 4>([&](auto j) {
+    constexpr int i = kI0 + 2 * decltype(j)::value;
     const int r = get<0>(coords(i)), c = get<1>(coords(i)) - col0;
-    *reinterpret_cast<__nv_bfloat162*>(&sC(r, c)) = value(i);
-  }
+    *reinterpret_cast<Pair*>(&sC(r, c)) = value(Int<i>{});
+  });
   tma_store_fence();  // make the generic-proxy writes visible to the bulk copy
   consumers_sync();
   if (thread == 0) {
     Tensor mC = target.tma.get_tma_tensor(make_shape(target.rows, target.cols, target.planes));
-    Tensor gC = local_tile(mC, EpilogueTileShape{}, make_coord(_, _, _));  // (128, 64, m, n, plane)
+    Tensor gC = local_tile(mC, typename Traits::TileShape{}, make_coord(_, _, _));  // (128, cols, m, n, plane)
     auto [tCg, tCs] = tma_partition(target.tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC), group_modes<0, 2>(gC));
     copy(target.tma, tCs, tCg(_, m_block, n_chunk, plane));
     tma_store_arrive();
@@ -96,34 +140,35 @@ struct SwiGluEpilogue {
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
     static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
-    CUTE_UNROLL
-    for (int c = 0; c < 2; ++c) {
-      store_chunk(staging, c, p.h, coords, 32 * c, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread, [&](int i) {
+    static_for<2>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+      store_chunk<32 * c>(staging, c, p.h, coords, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread, [&](auto i_) {
+        constexpr int i = decltype(i_)::value;
         return __floats2bfloat162_rn(swiglu(acc(i), acc(i + 64), p.has_limit, p.limit),
                                      swiglu(acc(i + 1), acc(i + 65), p.has_limit, p.limit));
       });
-    }
+    });
     if (!p.save_gu) return;
-    CUTE_UNROLL
-    for (int plane = 0; plane < 2; ++plane) {
-      CUTE_UNROLL
-      for (int c = 0; c < 2; ++c) {
-        const int i0 = 32 * c + 64 * plane;
-        store_chunk(staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, i0, 64 * c + 128 * plane, t.m_block,
-                    2 * t.n_block + c, 0, thread,
-                    [&](int i) {
-                      __nv_bfloat162 v;
-                      if (p.has_limit) {
-                        const float lo = plane == 0 ? -INFINITY : -p.limit;
-                        v.x = save_for_clamp(acc(i), lo, p.limit);
-                        v.y = save_for_clamp(acc(i + 1), lo, p.limit);
-                      } else {
-                        v = __floats2bfloat162_rn(acc(i), acc(i + 1));
-                      }
-                      return v;
-                    });
-      }
-    }
+    static_for<2>([&](auto plane_) {
+      constexpr int plane = decltype(plane_)::value;
+      static_for<2>([&](auto c_) {
+        constexpr int c = decltype(c_)::value;
+        store_chunk<32 * c + 64 * plane>(
+            staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.m_block,
+            2 * t.n_block + c, 0, thread, [&](auto i_) {
+              constexpr int i = decltype(i_)::value;
+              __nv_bfloat162 v;
+              if (p.has_limit) {
+                const float lo = plane == 0 ? -INFINITY : -p.limit;
+                v.x = save_for_clamp(acc(i), lo, p.limit);
+                v.y = save_for_clamp(acc(i + 1), lo, p.limit);
+              } else {
+                v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+              }
+              return v;
+            });
+      });
+    });
   }
 };
 
@@ -136,11 +181,159 @@ struct StoreEpilogue {
   template <class Acc, class Coords>
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
+    static_for<4>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+      store_chunk<32 * c>(staging, c, p.out, coords, 64 * c, t.m_block, 4 * t.n_block + c, 0, thread, [&](auto i_) {
+        constexpr int i = decltype(i_)::value;
+        return __floats2bfloat162_rn(acc(i), acc(i + 1));
+      });
+    });
+  }
+};
+
+// fp32 weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns.
+struct StoreF32Epilogue {
+  struct Params {
+    StoreTensorF32 out;
+  };
+
+  template <class Acc, class Coords>
+  static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
+                               bfloat16_t* staging) {
+    static_for<8>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+      store_chunk<16 * c>(staging, c, p.out, coords, 32 * c, t.m_block, 8 * t.n_block + c, t.expert, thread,
+                          [&](auto i_) {
+                            constexpr int i = decltype(i_)::value;
+                            return make_float2(acc(i), acc(i + 1));
+                          });
+    });
+  }
+};
+
+// Backward of the down projection's input side, fused with the SwiGLU backward. The accumulator
+// is dh = dy * W_down (unscaled) for 256 columns of I. With the saved g, u (bf16), h and the row's
+// router weight w (the same formulas and rounding points as reference.h):
+//   dg = (w*dh) * u * silu'(g),  du = (w*dh) * silu(g)   (clamped inputs pass no gradient)
+//   hw = w * h                   (the wgrad operand of W_down)
+//   dw_partial[row, n_block] = sum over the tile's columns of dh * h   (d topk_w, per column block)
+// The accumulator goes through shared memory 32 fp32 columns at a time and is read back one row
+// segment per thread (row = thread/2, 16 columns), so g, u, h are read and dg, du, hw written with
+// 16-byte vectors; doing the math in the accumulator's own layout needs more registers than a
+// consumer thread has.
+struct SwiGluBackwardEpilogue {
+  struct Params {
+    __nv_bfloat16* dgu;       // [rows, 2I] out: dg | du
+    __nv_bfloat16* hw;        // [rows, I] out
+    const __nv_bfloat16* gu;  // [rows, 2I]
+    const __nv_bfloat16* h;   // [rows, I]
+    const float* row_weight;  // [rows]
+    float* dw_partial;        // [rows, n_blocks]
+    int n_blocks;
+    int intermediate;
+    bool has_limit;
+    float limit;
+  };
+
+  // One 8-column vector of a row: dg, du, hw from dh, and the dh*h partial sum in column order.
+  static __device__ __forceinline__ void vector8(const Params& p, int64_t row, int64_t col, float w,
+                                                 const float* dh, float& partial) {
+    const int64_t I = p.intermediate;
+    const uint4 g8 = *reinterpret_cast<const uint4*>(p.gu + row * 2 * I + col);
+    const uint4 u8 = *reinterpret_cast<const uint4*>(p.gu + row * 2 * I + I + col);
+    const uint4 h8 = *reinterpret_cast<const uint4*>(p.h + row * I + col);
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g8);
+    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u8);
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&h8);
+    uint4 dg8, du8, hw8;
+    __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg8);
+    __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du8);
+    __nv_bfloat162* hw2 = reinterpret_cast<__nv_bfloat162*>(&hw8);
     CUTE_UNROLL
-    for (int c = 0; c < 4; ++c) {
-      store_chunk(staging, c, p.out, coords, 32 * c, 64 * c, t.m_block, 4 * t.n_block + c, 0, thread,
-                  [&](int i) { return __floats2bfloat162_rn(acc(i), acc(i + 1)); });
+    for (int q = 0; q < 4; ++q) {
+      float out_g[2], out_u[2], out_hw[2];
+      const float gs[2] = {__low2float(g2[q]), __high2float(g2[q])};
+      const float us[2] = {__low2float(u2[q]), __high2float(u2[q])};
+      const float hs[2] = {__low2float(h2[q]), __high2float(h2[q])};
+      CUTE_UNROLL
+      for (int v = 0; v < 2; ++v) {
+        const float d = dh[2 * q + v];
+        partial = __fadd_rn(partial, __fmul_rn(d, hs[v]));
+        float gc = gs[v], uc = us[v];
+        bool g_passes = true, u_passes = true;
+        if (p.has_limit) {
+          if (gc > p.limit) {
+            gc = p.limit;
+            g_passes = false;
+          }
+          if (uc > p.limit) {
+            uc = p.limit;
+            u_passes = false;
+          } else if (uc < -p.limit) {
+            uc = -p.limit;
+            u_passes = false;
+          }
+        }
+        const float sig = sigmoid(gc);
+        const float silu = __fmul_rn(gc, sig);
+        const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(gc, __fsub_rn(1.0f, sig))));
+        const float s = __fmul_rn(w, d);
+        out_g[v] = g_passes ? __fmul_rn(__fmul_rn(s, uc), dsilu) : 0.0f;
+        out_u[v] = u_passes ? __fmul_rn(s, silu) : 0.0f;
+        out_hw[v] = __fmul_rn(w, hs[v]);
+      }
+      dg2[q] = __floats2bfloat162_rn(out_g[0], out_g[1]);
+      du2[q] = __floats2bfloat162_rn(out_u[0], out_u[1]);
+      hw2[q] = __floats2bfloat162_rn(out_hw[0], out_hw[1]);
     }
+    *reinterpret_cast<uint4*>(p.dgu + row * 2 * I + col) = dg8;
+    *reinterpret_cast<uint4*>(p.dgu + row * 2 * I + I + col) = du8;
+    *reinterpret_cast<uint4*>(p.hw + row * I + col) = hw8;
+  }
+
+  template <class Acc, class Coords>
+  static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
+                               bfloat16_t* staging) {
+    static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
+    const int64_t I = p.intermediate;
+    const int seg_row = thread / 2;          // this thread's row of the tile
+    const int seg_col = (thread % 2) * 16;   // and its 16 columns of each 32-column chunk
+    const int64_t row = int64_t(t.m_block) * 128 + seg_row;
+    const float w = p.row_weight[row];
+    float partial = 0.0f;
+    // Two 32-column chunks per round, one per staging tile: the accumulator values of a round are
+    // dead once written, which keeps the thread under its register budget.
+    static_for<4>([&](auto round_) {
+      constexpr int round = decltype(round_)::value;
+      consumers_sync();  // every thread is done reading the staging tiles of the previous round
+      static_for<2>([&](auto b_) {
+        constexpr int c = 2 * round + decltype(b_)::value;
+        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + decltype(b_)::value * kStagingElems)),
+                                SmemLayoutEpilogueF32{});  // (128, 32) fp32
+        static_for<8>([&](auto j) {
+          constexpr int i = 16 * c + 2 * decltype(j)::value;
+          const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 32 * c;
+          *reinterpret_cast<float2*>(&sC(r, col)) = make_float2(acc(i), acc(i + 1));
+        });
+      });
+      consumers_sync();
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + b * kStagingElems)),
+                                SmemLayoutEpilogueF32{});
+        const int64_t col0 = int64_t(t.n_block) * 256 + 32 * (2 * round + b) + seg_col;
+        CUTE_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          float dh[8];
+          CUTE_UNROLL
+          for (int k = 0; k < 8; ++k) dh[k] = sC(seg_row, seg_col + 8 * v + k);
+          if (col0 + 8 * v < I) vector8(p, row, col0 + 8 * v, w, dh, partial);  // I % 8 == 0
+        }
+      }
+    });
+    // The row's two threads (adjacent lanes) hold its two column halves: add them in a fixed order.
+    const float other = __shfl_xor_sync(0xffffffffu, partial, 1);
+    if (thread % 2 == 0) p.dw_partial[row * p.n_blocks + t.n_block] = __fadd_rn(partial, other);
   }
 };
 

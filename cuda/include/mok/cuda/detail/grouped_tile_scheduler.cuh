@@ -14,9 +14,11 @@ namespace mok::cuda::detail {
 
 struct GroupedTile {
   int expert;
-  int m_block;    // global row block: rows [m_block*kBlockM, +kBlockM)
-  int n_block;    // column block of the output
-  int row_end;    // the expert's segment end: rows at or past it are not stored
+  int m_block;    // output row block: rows [m_block*kBlockM, +kBlockM) (global rows, or rows of W for wgrad)
+  int n_block;    // output column block
+  int row_end;    // the expert's segment end (grouped rows)
+  int k_begin;    // k-blocks [k_begin, k_end) of the reduction
+  int k_end;
 };
 
 // Shared-memory state: the experts' row offsets. Segments are contiguous and 128-row aligned, so
@@ -32,6 +34,7 @@ struct GroupedTileScheduler {
   const GroupedTileSchedulerStorage<kMaxExperts>& s;
   int num_experts;
   int n_blocks;
+  int k_blocks;  // every tile reduces over the same K
 
   // Called by one full warp before any role starts; the CTA synchronizes after it. Returns (and
   // stores in st.status) 0, or a nonzero code when the offsets are malformed.
@@ -76,6 +79,35 @@ struct GroupedTileScheduler {
     t.m_block = s.offsets[lo] / kBlockM + group * kGroupM + in_group % group_rows;
     t.n_block = in_group / group_rows;
     t.row_end = s.offsets[lo + 1];
+    t.k_begin = 0;
+    t.k_end = k_blocks;
+    return t;
+  }
+};
+
+// Tiles of the per-expert weight gradients: every expert has m_blocks x n_blocks output tiles
+// of W (column fastest), each reducing over all of that expert's rows in order, one k-block of
+// kBlockK rows after the other: a fixed reduction order, no split-K. An empty expert's tiles have
+// no k-blocks and store zeros.
+template <int kBlockM, int kBlockK, int kMaxExperts>
+struct ExpertTileScheduler {
+  const GroupedTileSchedulerStorage<kMaxExperts>& s;
+  int num_experts;
+  int m_blocks;
+  int n_blocks;
+
+  __device__ int total_tiles() const { return s.status == 0 ? num_experts * m_blocks * n_blocks : 0; }
+
+  __device__ GroupedTile tile(int linear) const {
+    const int per_expert = m_blocks * n_blocks;
+    GroupedTile t;
+    t.expert = linear / per_expert;
+    const int local = linear - t.expert * per_expert;
+    t.m_block = local / n_blocks;
+    t.n_block = local % n_blocks;
+    t.row_end = s.offsets[t.expert + 1];
+    t.k_begin = s.offsets[t.expert] / kBlockK;
+    t.k_end = s.offsets[t.expert + 1] / kBlockK;
     return t;
   }
 };

@@ -8,7 +8,8 @@
 
 namespace mok::cuda::detail {
 
-__device__ __forceinline__ float sigmoid(float v) { return __frcp_rn(__fadd_rn(1.0f, __expf(-v))); }
+// Fast division: no IEEE slow path (which needs a register-hungry subroutine); the same bits on every run.
+__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, __fadd_rn(1.0f, __expf(-v))); }
 
 // act(g, u) = silu(min(g, L)) * clamp(u, -L, L); has_limit = false means no clamp.
 __device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float limit) {
