@@ -166,6 +166,129 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Gpu, ExpertKernels, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The backward kernels against the reference's experts_backward stage, fed the same saved g|u and
+// h (the reference forward's, bf16), dy rows and router weights. Padding rows are zero (and have
+// router weight 0), as the dispatch writes them.
+class ExpertBackwardKernels : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
+  const Case& c = GetParam();
+  const int64_t H = c.H, I = c.I, El = c.El;
+  std::vector<int64_t> offsets{0};
+  for (int64_t n : c.rows) offsets.push_back(offsets.back() + (n + cuda::kRowAlign - 1) / cuda::kRowAlign * cuda::kRowAlign);
+  const int64_t M = offsets.back();
+  Rng rng(std::hash<std::string>{}(c.name) ^ 0xb4c7ull);
+  std::vector<float> x(static_cast<size_t>(M * H), 0.0f), dy(static_cast<size_t>(M * H), 0.0f), rw(static_cast<size_t>(M), 0.0f);
+  for (int64_t e = 0; e < El; ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e] + c.rows[e]; ++r) {
+      for (int64_t k = 0; k < H; ++k) {
+        x[r * H + k] = round_to_bf16(static_cast<float>(rng.normal()));
+        dy[r * H + k] = round_to_bf16(static_cast<float>(rng.normal()));
+      }
+      rw[r] = static_cast<float>(0.05 + rng.uniform());
+    }
+  }
+  const auto wg = random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wu = random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wd = random_bf16(rng, El * H * I, 1.0 / std::sqrt(double(I)));
+  const ref::MlpShape shape{H, I, c.limit};
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  std::vector<float> gu(M * 2 * I), h(M * I), y(M * H);
+  ref::experts_forward(shape, view, offsets, x.data(), gu.data(), h.data(), y.data(), ref::Rounding::bf16);
+  std::vector<float> dx_ref(M * H), dw_ref(M), dg_ref(El * I * H), du_ref(El * I * H), dd_ref(El * H * I);
+  ref::experts_backward(shape, view, offsets, x.data(), gu.data(), h.data(), dy.data(), rw.data(), dx_ref.data(),
+                        dw_ref.data(), dg_ref.data(), du_ref.data(), dd_ref.data(), ref::Rounding::bf16);
+
+  const int64_t blocks = cuda::dw_partial_blocks(I);
+  DeviceBuffer<uint16_t> dx_in(x.size()), dgu_in(gu.size()), dh_in(h.size()), ddy(dy.size()), dwg(wg.size()),
+      dwu(wu.size()), dwd(wd.size()), dgu(M * 2 * I), dhw(M * I), ddx(M * H);
+  DeviceBuffer<float> drw(rw.size()), dpartial(M * blocks), ddw(M), dWg(El * I * H), dWu(El * I * H), dWd(El * H * I);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  dx_in.upload(to_bits(x));
+  dgu_in.upload(to_bits(gu));
+  dh_in.upload(to_bits(h));
+  ddy.upload(to_bits(dy));
+  dwg.upload(to_bits(wg));
+  dwu.upload(to_bits(wu));
+  dwd.upload(to_bits(wd));
+  drw.upload(rw);
+  doff.upload(std::vector<int32_t>(offsets.begin(), offsets.end()));
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+
+  cuda::ExpertsBackwardArgs a;
+  a.row_capacity = M;
+  a.hidden = H;
+  a.intermediate = I;
+  a.local_experts = El;
+  a.expert_offsets = doff.ptr;
+  a.x = dx_in.ptr;
+  a.gu = dgu_in.ptr;
+  a.h = dh_in.ptr;
+  a.dy = ddy.ptr;
+  a.row_weight = drw.ptr;
+  a.w_gate = dwg.ptr;
+  a.w_up = dwu.ptr;
+  a.w_down = dwd.ptr;
+  a.dgu = dgu.ptr;
+  a.hw = dhw.ptr;
+  a.dw_partial = dpartial.ptr;
+  a.dx = ddx.ptr;
+  a.d_row_weight = ddw.ptr;
+  a.d_w_gate = dWg.ptr;
+  a.d_w_up = dWu.ptr;
+  a.d_w_down = dWd.ptr;
+  a.swiglu_limit = c.limit;
+  a.status = dstatus.ptr;
+  ASSERT_EQ(cuda::can_implement(a), "");
+
+  std::vector<uint16_t> first_dx;
+  std::vector<float> first_dw, first_g, first_u, first_d;
+  for (int run = 0; run < 5; ++run) {
+    ddx.poison();
+    ddw.poison();
+    dWg.poison();
+    dWu.poison();
+    dWd.poison();
+    dgu.poison();
+    dhw.poison();
+    cuda::experts_backward(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(dstatus.download()[0], 0);
+    auto dx = ddx.download();
+    auto dw = ddw.download(), g = dWg.download(), u = dWu.download(), d = dWd.download();
+    if (run == 0) {
+      const Comparison cx = compare(from_bits(dx), dx_ref), cw = compare(dw, dw_ref), cg = compare(g, dg_ref),
+                       cu = compare(u, du_ref), cd = compare(d, dd_ref);
+      EXPECT_TRUE(cx.within(1e-2)) << cx.describe("dx");
+      EXPECT_TRUE(cw.within(1e-2)) << cw.describe("d_row_weight");
+      EXPECT_TRUE(cg.within(1e-2)) << cg.describe("dW_gate");
+      EXPECT_TRUE(cu.within(1e-2)) << cu.describe("dW_up");
+      EXPECT_TRUE(cd.within(1e-2)) << cd.describe("dW_down");
+      std::printf("[ %s backward ] rel error dx %.2e dw %.2e dWg %.2e dWu %.2e dWd %.2e\n", c.name.c_str(),
+                  cx.rel_error, cw.rel_error, cg.rel_error, cu.rel_error, cd.rel_error);
+      // Empty experts: their weight gradients are exactly zero (written, not left poisoned).
+      for (int64_t e = 0; e < El; ++e) {
+        if (c.rows[e] != 0) continue;
+        for (int64_t i = e * I * H; i < (e + 1) * I * H; ++i) ASSERT_EQ(g[i], 0.0f) << "empty expert " << e;
+      }
+      first_dx = std::move(dx);
+      first_dw = std::move(dw);
+      first_g = std::move(g);
+      first_u = std::move(u);
+      first_d = std::move(d);
+    } else {
+      EXPECT_EQ(first_bit_difference(dx, first_dx), -1) << "dx differs in run " << run;
+      EXPECT_EQ(first_bit_difference(dw, first_dw), -1) << "d_row_weight differs in run " << run;
+      EXPECT_EQ(first_bit_difference(g, first_g), -1) << "dW_gate differs in run " << run;
+      EXPECT_EQ(first_bit_difference(u, first_u), -1) << "dW_up differs in run " << run;
+      EXPECT_EQ(first_bit_difference(d, first_d), -1) << "dW_down differs in run " << run;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, ExpertBackwardKernels, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
 TEST(ExpertKernelsArgs, BadOffsetsAreReportedNotComputed) {
   DeviceBuffer<uint16_t> buf(256 * 256 * 4);
   DeviceBuffer<int32_t> doff(3), dstatus(1);

@@ -104,6 +104,47 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   CHECK_CUDA(cudaMalloc(&w2, 2 * I * H * 2));
   const float c_gu = time_ms([&] { dense(x, w2, gu, M, 2 * I, H); }, iters);
   const float c_down = time_ms([&] { dense(h, wd, y, M, H, I); }, iters);
+  // Backward: dgrad (down + SwiGLU, gate|up) and the three weight gradients.
+  uint16_t *dgu, *hw, *dx;
+  float *rw, *partial, *ddw, *dWg, *dWu, *dWd;
+  const int64_t blocks = mok::cuda::dw_partial_blocks(I);
+  CHECK_CUDA(cudaMalloc(&dgu, M * 2 * I * 2));
+  CHECK_CUDA(cudaMalloc(&hw, M * I * 2));
+  CHECK_CUDA(cudaMalloc(&dx, M * H * 2));
+  CHECK_CUDA(cudaMalloc(&rw, M * 4));
+  CHECK_CUDA(cudaMalloc(&partial, M * blocks * 4));
+  CHECK_CUDA(cudaMalloc(&ddw, M * 4));
+  CHECK_CUDA(cudaMalloc(&dWg, El * I * H * 4));
+  CHECK_CUDA(cudaMalloc(&dWu, El * I * H * 4));
+  CHECK_CUDA(cudaMalloc(&dWd, El * H * I * 4));
+  CHECK_CUDA(cudaMemset(rw, 0, M * 4));
+  mok::cuda::ExpertsBackwardArgs b;
+  b.row_capacity = M;
+  b.hidden = H;
+  b.intermediate = I;
+  b.local_experts = El;
+  b.expert_offsets = off;
+  b.x = x;
+  b.gu = gu;
+  b.h = h;
+  b.dy = y;
+  b.row_weight = rw;
+  b.w_gate = wg;
+  b.w_up = wu;
+  b.w_down = wd;
+  b.dgu = dgu;
+  b.hw = hw;
+  b.dw_partial = partial;
+  b.dx = dx;
+  b.d_row_weight = ddw;
+  b.d_w_gate = dWg;
+  b.d_w_up = dWu;
+  b.d_w_down = dWd;
+  b.status = status;
+  const float t_bwd = time_ms([&] { mok::cuda::experts_backward(b, nullptr); }, 10);
+  std::printf("    backward (dgrad + wgrad) %7.3f ms %6.1f TF/s\n", t_bwd, 12.0 * M * H * I / t_bwd / 1e9);
+  for (void* q : {(void*)dgu, (void*)hw, (void*)dx, (void*)rw, (void*)partial, (void*)ddw, (void*)dWg, (void*)dWu, (void*)dWd})
+    cudaFree(q);
   int32_t st = 0;
   CHECK_CUDA(cudaMemcpy(&st, status, 4, cudaMemcpyDeviceToHost));
   std::printf("H=%-5lld I=%-5lld El=%-4lld rows/expert=%-5lld | gate_up+swiglu %7.3f ms %6.1f TF/s (no gu save %6.1f) "
