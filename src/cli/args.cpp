@@ -26,7 +26,7 @@ Args::Args(const std::vector<std::string>& argv, const std::set<std::string>& kn
     }
     if (flags.count(name)) {
       MOK_REQUIRE(!inline_value, "option --", name, " takes no value");
-      value = "1";
+      value.assign(1, '1');  // not = "1": GCC 12 warns falsely (-Wrestrict, PR 105329)
     } else if (!inline_value) {
       MOK_REQUIRE(i + 1 < argv.size(), "option --", name, " needs a value");
       value = argv[++i];
