@@ -1,0 +1,177 @@
+// Device side of dispatch, combine and the epilogues (mok/cuda/routing.h).
+//
+// Rows move as 16-byte vectors (8 bf16), one warp per row, warps striding over the rows of the
+// schedule; the row count offsets[El] is read on the device. The epilogues give each thread 8
+// consecutive columns of one token and reduce over j in order with __fmul_rn / __fadd_rn, so
+// nothing is contracted into an FMA and the result is the CPU reference's bit for bit.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "mok/cuda/routing.h"
+
+namespace mok::cuda::detail {
+
+inline constexpr int kRowsThreads = 256;  // threads per block of every kernel here
+
+struct ScheduleRows {
+  int32_t local_experts;
+  int32_t row_capacity;
+  const int32_t* expert_offsets;
+  const int32_t* src_rank;
+  const int32_t* src_slot;
+};
+
+// Rows [0, offsets[El]) of the schedule, never past its capacity.
+__device__ __forceinline__ int scheduled_rows(const ScheduleRows& s) {
+  return max(0, min(s.expert_offsets[s.local_experts], s.row_capacity));
+}
+
+// A row's source, or valid = false for padding (and for anything a well-formed schedule never holds).
+struct RowSource {
+  int rank, slot;
+  bool valid;
+};
+__device__ __forceinline__ RowSource row_source(const ScheduleRows& s, int row, int ranks, int slots) {
+  const int rank = s.src_rank[row], slot = s.src_slot[row];
+  return {rank, slot, rank >= 0 && rank < ranks && slot >= 0 && slot < slots};
+}
+
+struct GatherParams {
+  ScheduleRows schedule;
+  int32_t ranks;
+  int32_t topk;
+  int32_t slots;                   // T*k per rank
+  int32_t row_vectors;             // H / 8
+  uint4* rows;                     // [row_capacity, H]
+  float* row_weights;              // [row_capacity] or null
+  const uint4* x[kMaxRanks];       // [T, H] per rank
+  const float* topk_w[kMaxRanks];  // [T*k] per rank, or all null
+};
+
+__global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int rows = scheduled_rows(p.schedule);
+  const int64_t width = p.row_vectors;
+  for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < rows; i += warps) {
+    const RowSource src = row_source(p.schedule, i, p.ranks, p.slots);
+    uint4* out = p.rows + i * width;
+    if (src.valid) {
+      const uint4* in = p.x[src.rank] + (src.slot / p.topk) * width;
+#pragma unroll 4
+      for (int64_t v = lane; v < width; v += 32) out[v] = in[v];
+    } else {
+#pragma unroll 4
+      for (int64_t v = lane; v < width; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+    }
+    if (lane == 0 && p.row_weights != nullptr)
+      p.row_weights[i] = src.valid ? p.topk_w[src.rank][src.slot] : 0.0f;
+  }
+}
+
+struct ScatterParams {
+  ScheduleRows schedule;
+  int32_t ranks;
+  int32_t slots;
+  int32_t row_vectors;
+  const uint4* rows;            // [row_capacity, H]
+  uint4* slot_rows[kMaxRanks];  // [T*k, H] per rank
+};
+
+__global__ void scatter_rows_kernel(const __grid_constant__ ScatterParams p) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int rows = scheduled_rows(p.schedule);
+  const int64_t width = p.row_vectors;
+  for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < rows; i += warps) {
+    const RowSource dst = row_source(p.schedule, i, p.ranks, p.slots);
+    if (!dst.valid) continue;  // warp-uniform
+    const uint4* in = p.rows + i * width;
+    uint4* out = p.slot_rows[dst.rank] + dst.slot * width;
+#pragma unroll 4
+    for (int64_t v = lane; v < width; v += 32) out[v] = in[v];
+  }
+}
+
+struct ScatterValuesParams {
+  ScheduleRows schedule;
+  int32_t ranks;
+  int32_t slots;
+  const float* values;            // [row_capacity]
+  float* slot_values[kMaxRanks];  // [T*k] per rank
+};
+
+__global__ void scatter_row_values_kernel(const __grid_constant__ ScatterValuesParams p) {
+  const int rows = scheduled_rows(p.schedule);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {
+    const RowSource dst = row_source(p.schedule, i, p.ranks, p.slots);
+    if (dst.valid) p.slot_values[dst.rank][dst.slot] = p.values[i];
+  }
+}
+
+// 8 bf16 <-> 8 floats, exactly (bf16 -> fp32 is a shift; fp32 -> bf16 rounds to nearest even).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i]));
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i + 1]));
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// y[t] = bf16(base[t] + sum_j weight[t,j] * slots[t*k+j]); with weights null the terms are the
+// slots themselves (the dispatch-grad epilogue); with base null the sum starts at 0.
+struct EpilogueParams {
+  int64_t tokens;
+  int32_t topk;
+  int32_t row_vectors;   // H / 8
+  const uint4* base;     // [T, H] or null
+  const uint4* slots;    // [T*k, H]
+  const float* weights;  // [T*k] or null
+  uint4* out;            // [T, H]
+};
+
+template <bool kWeighted>
+__global__ void epilogue_kernel(const __grid_constant__ EpilogueParams p) {
+  const int64_t total = p.tokens * p.row_vectors;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / p.row_vectors, v = i % p.row_vectors;
+    float acc[8];
+    if (p.base != nullptr) {
+      unpack_bf16x8(p.base[i], acc);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+    }
+    for (int j = 0; j < p.topk; ++j) {
+      const int64_t slot = t * p.topk + j;
+      float s[8];
+      unpack_bf16x8(p.slots[slot * p.row_vectors + v], s);
+      if constexpr (kWeighted) {
+        const float w = p.weights[slot];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(w, s[c]));
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], s[c]);
+      }
+    }
+    p.out[i] = pack_bf16x8(acc);
+  }
+}
+
+}  // namespace mok::cuda::detail

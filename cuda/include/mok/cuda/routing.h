@@ -1,0 +1,163 @@
+// Host API of the routing kernels: the routing schedule built on the device (no host sync), the
+// dispatch gather, the combine scatter and the fixed-order epilogues. Plain pointers and sizes
+// only (no CUDA types beyond cudaStream_t), like expert_kernels.h.
+//
+// Every rank's tensors are reached through a table of R pointers, one per source rank, passed as a
+// host array and copied into the kernel's parameters at launch (the array is not kept). On one GPU
+// these are R separate device buffers; over NVLink they are peer addresses of symmetric memory.
+//
+// The schedule equals the CPU's mok::build_rank_schedule(desc, dest_rank, topk_idx, kRowAlign)
+// bit for bit: each local expert's rows are contiguous, in the canonical order (src_rank, token, j)
+// ascending, and padded with {-1, -1} rows to a multiple of kRowAlign, the layout the expert
+// kernels read. The tables are sized for any skew (routed_row_capacity), so nothing is dropped.
+// Positions come from per-(expert, chunk) counts and exclusive prefix sums: the placement does not
+// depend on timing, so reruns give the same bits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mok/cuda/expert_kernels.h"
+
+namespace mok::cuda {
+
+// The most source ranks a pointer table holds (the tables travel in the kernels' parameters).
+inline constexpr int kMaxRanks = 128;
+// The most local experts a schedule handles (one warp's cursors per expert live in shared memory).
+inline constexpr int64_t kMaxScheduleExperts = 12288;
+
+// The routing problem: R ranks of T tokens, each choosing k of E global experts; destination rank d
+// owns experts [d*El, (d+1)*El), El = E/R.
+struct RoutingShape {
+  int64_t ranks = 1;            // R
+  int64_t tokens_per_rank = 0;  // T
+  int64_t topk = 1;             // k
+  int64_t num_experts = 0;      // E
+  int64_t local_experts() const { return ranks > 0 ? num_experts / ranks : 0; }
+  int64_t slots() const { return tokens_per_rank * topk; }  // (token, j) slots per rank: T*k
+};
+
+// Rows a destination rank's schedule and row buffers need for any routing: R*T*k real rows plus
+// at most kRowAlign-1 padding rows per local expert. Equals mok::schedule_capacity_rows(desc, kRowAlign).
+int64_t routed_row_capacity(const RoutingShape& shape);
+
+// Sticky device status of the schedule build. Zero (cudaMemset 0) means every expert id seen was
+// in [0, E). Otherwise it records the first bad id in (rank, token, j) order:
+// bad_expert = (0xffffffff - (rank*T*k + token*k + j)) << 32 | uint32(id), kept by atomicMax so the
+// smallest position wins whatever the timing. Bad ids are skipped (no row is placed for them).
+struct RoutingStatus {
+  unsigned long long bad_expert = 0;
+};
+// "" when the status is clean, else e.g. "topk_idx[rank 1][token 5][1] = 19 is out of range [0, 16)"
+// (the CPU's validate_routing wording).
+std::string describe(const RoutingStatus& status, const RoutingShape& shape);
+// Copies the device status to the host (synchronizes `stream`) and describes it.
+std::string read_routing_status(const RoutingStatus* device_status, const RoutingShape& shape,
+                                cudaStream_t stream);
+// Zeroes the device status (asynchronous).
+void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream);
+
+// ---- The schedule of one destination rank ----
+struct ScheduleArgs {
+  RoutingShape shape;
+  int64_t dest_rank = 0;
+  const int32_t* const* topk_idx = nullptr;  // host array of R device pointers, each [T*k] (row-major [T,k])
+  int32_t* expert_offsets = nullptr;  // device [El+1] out: expert e's rows are [offsets[e], offsets[e+1])
+  int32_t* expert_rows = nullptr;     // device [El] out: real rows of each expert
+  int32_t* src_rank = nullptr;        // device [row_capacity] out: source rank of each row, -1 = padding
+  int32_t* src_slot = nullptr;        // device [row_capacity] out: token*k + j, -1 = padding
+  int64_t row_capacity = 0;           // >= routed_row_capacity(shape); rows past offsets[El] are untouched
+  void* workspace = nullptr;          // device, schedule_workspace_bytes(shape) bytes (16-byte aligned)
+  RoutingStatus* status = nullptr;    // device, see RoutingStatus; not reset by the launch
+};
+
+int64_t schedule_workspace_bytes(const RoutingShape& shape);
+// Why the schedule cannot be built with these arguments, or "" when it can.
+std::string can_implement(const ScheduleArgs& args);
+// Four small kernels on `stream`: count per (expert, chunk), prefix over chunks, expert offsets,
+// placement and padding. Throws std::invalid_argument when can_implement fails.
+void build_schedule(const ScheduleArgs& args, cudaStream_t stream);
+
+// ---- What dispatch and combine read: a schedule on the device ----
+struct ScheduleView {
+  int64_t local_experts = 0;                // El
+  int64_t row_capacity = 0;                 // rows of the schedule and row buffers
+  const int32_t* expert_offsets = nullptr;  // device [El+1]; rows [0, offsets[El]) are visited
+  const int32_t* src_rank = nullptr;        // device [row_capacity]
+  const int32_t* src_slot = nullptr;        // device [row_capacity]
+};
+
+// Dispatch: rows[i] = x[src_rank[i]][src_slot[i] / k] (bf16, width H), zeros for padding rows;
+// optionally row_weights[i] = topk_w[src_rank[i]][src_slot[i]] (0 for padding). Rows past
+// offsets[El] are untouched.
+struct GatherArgs {
+  RoutingShape shape;
+  int64_t hidden = 0;  // H, a multiple of 8 (16-byte rows)
+  ScheduleView schedule;
+  const void* const* x = nullptr;        // host array of R device pointers, each [T, H] bf16
+  void* rows = nullptr;                  // device [row_capacity, H] bf16 out
+  const float* const* topk_w = nullptr;  // optional: host array of R device pointers, each [T*k] fp32
+  float* row_weights = nullptr;          // device [row_capacity] out; needed iff topk_w is given
+  int num_sms = 0;                       // 0 = all of the device's
+};
+std::string can_implement(const GatherArgs& args);
+void gather_rows(const GatherArgs& args, cudaStream_t stream);
+
+// Combine: slots[src_rank[i]][src_slot[i]] = rows[i] (bf16, width H) for every real row; padding
+// rows are skipped. Each (token, j) slot is written by exactly one row of one destination rank.
+struct ScatterArgs {
+  RoutingShape shape;
+  int64_t hidden = 0;  // H, a multiple of 8
+  ScheduleView schedule;
+  const void* rows = nullptr;    // device [row_capacity, H] bf16
+  void* const* slots = nullptr;  // host array of R device pointers, each [T*k, H] bf16
+  int num_sms = 0;
+};
+std::string can_implement(const ScatterArgs& args);
+void scatter_rows(const ScatterArgs& args, cudaStream_t stream);
+
+// Per-row fp32 values into per-slot values (e.g. d topk_w): slot_values[src_rank[i]][src_slot[i]]
+// = values[i] for every real row.
+struct ScatterValuesArgs {
+  RoutingShape shape;
+  ScheduleView schedule;
+  const float* values = nullptr;        // device [row_capacity]
+  float* const* slot_values = nullptr;  // host array of R device pointers, each [T*k]
+  int num_sms = 0;
+};
+std::string can_implement(const ScatterValuesArgs& args);
+void scatter_row_values(const ScatterValuesArgs& args, cudaStream_t stream);
+
+// ---- Epilogues on each source rank, bitwise equal to the CPU reference's (Rounding::bf16) ----
+// fp32, j = 0..k-1 in order, separate round-to-nearest multiply and add (no FMA), one bf16 rounding.
+
+// y[t] = bf16(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]); y_shared may be null (then 0 + ...).
+struct CombineArgs {
+  int64_t tokens = 0;              // T
+  int64_t hidden = 0;              // H, a multiple of 8
+  int64_t topk = 1;                // k
+  const void* y_shared = nullptr;  // device [T, H] bf16, optional
+  const void* slots = nullptr;     // device [T*k, H] bf16
+  const float* topk_w = nullptr;   // device [T*k] fp32
+  void* y = nullptr;               // device [T, H] bf16 out
+  int num_sms = 0;
+};
+std::string can_implement(const CombineArgs& args);
+void combine_epilogue(const CombineArgs& args, cudaStream_t stream);
+
+// dx[t] = bf16(dx_shared[t] + sum_j slots[t*k+j]); dx_shared may be null.
+struct DispatchGradArgs {
+  int64_t tokens = 0;
+  int64_t hidden = 0;  // a multiple of 8
+  int64_t topk = 1;
+  const void* dx_shared = nullptr;  // device [T, H] bf16, optional
+  const void* slots = nullptr;      // device [T*k, H] bf16
+  void* dx = nullptr;               // device [T, H] bf16 out
+  int num_sms = 0;
+};
+std::string can_implement(const DispatchGradArgs& args);
+void dispatch_grad_epilogue(const DispatchGradArgs& args, cudaStream_t stream);
+
+}  // namespace mok::cuda

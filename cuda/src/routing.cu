@@ -1,0 +1,366 @@
+// Host launchers of the routing kernels (include/mok/cuda/routing.h).
+#include "mok/cuda/routing.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "mok/cuda/detail/routing_rows.cuh"
+#include "mok/cuda/detail/routing_schedule.cuh"
+
+namespace mok::cuda {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// Dynamic shared memory the count and place kernels use without opting in: one [El] int table per warp.
+constexpr int64_t kScheduleSmemBytes = 48 * 1024;
+constexpr int kMaxScheduleWarps = 8;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("mok cuda routing: ") + what + ": " + cudaGetErrorString(e));
+}
+
+int device_sms(int requested) {
+  if (requested > 0) return requested;
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
+  return sms;
+}
+
+int64_t chunks_per_rank(const RoutingShape& s) {
+  return (s.slots() + detail::kChunkSlots - 1) / detail::kChunkSlots;
+}
+
+int schedule_warps_per_block(int64_t local_experts) {
+  return static_cast<int>(std::clamp<int64_t>(kScheduleSmemBytes / (4 * std::max<int64_t>(local_experts, 1)),
+                                              1, kMaxScheduleWarps));
+}
+
+// Appends "reason; " for every problem with the routing shape.
+void check_shape(const RoutingShape& s, std::ostringstream& why) {
+  if (s.ranks < 1 || s.ranks > kMaxRanks)
+    why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
+  if (s.num_experts < 1 || (s.ranks >= 1 && s.num_experts % s.ranks != 0))
+    why << "num_experts must be a positive multiple of ranks=" << s.ranks << ", got " << s.num_experts
+        << "; ";
+  if (s.topk < 1) why << "topk must be >= 1, got " << s.topk << "; ";
+  if (s.tokens_per_rank < 0) why << "tokens_per_rank must be >= 0, got " << s.tokens_per_rank << "; ";
+  if (s.ranks >= 1 && s.topk >= 1 && s.tokens_per_rank >= 0 && s.num_experts >= 1) {
+    if (s.local_experts() > kMaxScheduleExperts)
+      why << "local experts (E/R) must be at most " << kMaxScheduleExperts << ", got " << s.local_experts()
+          << "; ";
+    if (s.tokens_per_rank > kInt32Max / s.topk / s.ranks || routed_row_capacity(s) > kInt32Max)
+      why << "the routed rows R*T*k plus padding must fit in int32, got R=" << s.ranks
+          << " T=" << s.tokens_per_rank << " k=" << s.topk << "; ";
+  }
+}
+
+void check_view(const ScheduleView& v, std::ostringstream& why) {
+  if (v.local_experts < 1) why << "schedule.local_experts must be >= 1, got " << v.local_experts << "; ";
+  if (v.row_capacity < 0 || v.row_capacity > kInt32Max)
+    why << "schedule.row_capacity must be in [0, 2^31), got " << v.row_capacity << "; ";
+  if (v.expert_offsets == nullptr || v.src_rank == nullptr || v.src_slot == nullptr)
+    why << "schedule.expert_offsets, src_rank and src_slot must not be null; ";
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_hidden(int64_t hidden, std::ostringstream& why) {
+  if (hidden < 8 || hidden % 8 != 0 || hidden > kInt32Max)
+    why << "hidden must be a positive multiple of 8 (16-byte rows), got " << hidden << "; ";
+}
+
+// Every pointer of a per-rank table: present when `needed`, 16-byte aligned when `vectors`.
+template <class P>
+void check_table(P const* table, int64_t ranks, bool needed, bool vectors, const char* name,
+                 std::ostringstream& why) {
+  if (table == nullptr) {
+    why << name << " (the table of per-rank pointers) must not be null; ";
+    return;
+  }
+  for (int64_t r = 0; r < std::min<int64_t>(ranks, kMaxRanks); ++r) {
+    if (needed && table[r] == nullptr) {
+      why << name << "[" << r << "] is null; ";
+    } else if (vectors && !aligned16(table[r])) {
+      why << name << "[" << r << "] is not 16-byte aligned; ";
+    }
+  }
+}
+
+std::string finish(const std::ostringstream& why) {
+  std::string s = why.str();
+  if (s.size() >= 2) s.resize(s.size() - 2);
+  return s;
+}
+
+template <class Args>
+void require(const Args& a, const char* what) {
+  const std::string why = can_implement(a);
+  if (!why.empty()) throw std::invalid_argument(std::string("mok cuda ") + what + ": " + why);
+}
+
+detail::ScheduleRows schedule_rows(const ScheduleView& v) {
+  return {static_cast<int32_t>(v.local_experts), static_cast<int32_t>(v.row_capacity), v.expert_offsets,
+          v.src_rank, v.src_slot};
+}
+
+// Blocks of kRowsThreads for `items` warp- or thread-sized items, at most `per_sm` blocks per SM.
+int rows_grid(int64_t items, int items_per_block, int num_sms, int per_sm) {
+  const int64_t needed = (items + items_per_block - 1) / items_per_block;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{device_sms(num_sms)} * per_sm)));
+}
+
+}  // namespace
+
+int64_t routed_row_capacity(const RoutingShape& s) {
+  return s.ranks * s.slots() + s.local_experts() * (kRowAlign - 1);
+}
+
+std::string describe(const RoutingStatus& status, const RoutingShape& shape) {
+  if (status.bad_expert == 0) return "";
+  const int64_t position = int64_t{0xffffffff} - static_cast<int64_t>(status.bad_expert >> 32);
+  const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(status.bad_expert & 0xffffffffu));
+  const int64_t slots = std::max<int64_t>(shape.slots(), 1), k = std::max<int64_t>(shape.topk, 1);
+  const int64_t rank = position / slots, slot = position % slots;
+  std::ostringstream s;
+  s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
+    << " is out of range [0, " << shape.num_experts << ")";
+  return s.str();
+}
+
+std::string read_routing_status(const RoutingStatus* device_status, const RoutingShape& shape,
+                                cudaStream_t stream) {
+  RoutingStatus host;
+  check(cudaMemcpyAsync(&host, device_status, sizeof host, cudaMemcpyDeviceToHost, stream),
+        "read routing status");
+  check(cudaStreamSynchronize(stream), "synchronize for the routing status");
+  return describe(host, shape);
+}
+
+void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream) {
+  check(cudaMemsetAsync(device_status, 0, sizeof(RoutingStatus), stream), "reset routing status");
+}
+
+// ---- schedule ----
+
+int64_t schedule_workspace_bytes(const RoutingShape& s) {
+  return s.local_experts() * s.ranks * chunks_per_rank(s) * int64_t{sizeof(int32_t)};
+}
+
+std::string can_implement(const ScheduleArgs& a) {
+  std::ostringstream why;
+  const RoutingShape& s = a.shape;
+  check_shape(s, why);
+  if (!why.str().empty()) return finish(why);
+  if (a.dest_rank < 0 || a.dest_rank >= s.ranks)
+    why << "dest_rank must be in [0, " << s.ranks << "), got " << a.dest_rank << "; ";
+  if (a.row_capacity < routed_row_capacity(s) || a.row_capacity > kInt32Max)
+    why << "row_capacity must be in [routed_row_capacity=" << routed_row_capacity(s) << ", 2^31), got "
+        << a.row_capacity << "; ";
+  check_table(a.topk_idx, s.ranks, s.slots() > 0, false, "topk_idx", why);
+  if (a.expert_offsets == nullptr || a.expert_rows == nullptr || a.src_rank == nullptr ||
+      a.src_slot == nullptr)
+    why << "expert_offsets, expert_rows, src_rank and src_slot must not be null; ";
+  if (schedule_workspace_bytes(s) > 0 && (a.workspace == nullptr || !aligned16(a.workspace)))
+    why << "workspace must be a 16-byte aligned buffer of schedule_workspace_bytes()="
+        << schedule_workspace_bytes(s) << " bytes; ";
+  if (a.status == nullptr) why << "status must not be null; ";
+  return finish(why);
+}
+
+void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
+  require(a, "schedule");
+  const RoutingShape& s = a.shape;
+  const int64_t El = s.local_experts();
+  detail::ScheduleParams p{};
+  p.ranks = static_cast<int32_t>(s.ranks);
+  p.topk = static_cast<int32_t>(s.topk);
+  p.num_experts = static_cast<int32_t>(s.num_experts);
+  p.local_experts = static_cast<int32_t>(El);
+  p.first_expert = static_cast<int32_t>(a.dest_rank * El);
+  p.slots = static_cast<int32_t>(s.slots());
+  p.chunks_per_rank = static_cast<int32_t>(chunks_per_rank(s));
+  p.num_chunks = static_cast<int32_t>(s.ranks * chunks_per_rank(s));
+  p.row_capacity = static_cast<int32_t>(a.row_capacity);
+  p.counts = static_cast<int32_t*>(a.workspace);
+  p.expert_offsets = a.expert_offsets;
+  p.expert_rows = a.expert_rows;
+  p.src_rank = a.src_rank;
+  p.src_slot = a.src_slot;
+  p.status = a.status;
+  for (int64_t r = 0; r < s.ranks; ++r) p.topk_idx[r] = a.topk_idx[r];
+
+  const int warps = schedule_warps_per_block(El);
+  const size_t smem = static_cast<size_t>(warps) * static_cast<size_t>(El) * sizeof(int32_t);
+  if (p.num_chunks > 0) {
+    detail::schedule_count_kernel<<<(p.num_chunks + warps - 1) / warps, warps * 32, smem, stream>>>(p);
+    check(cudaGetLastError(), "launch schedule count");
+  }
+  detail::schedule_scan_kernel<<<(p.local_experts + detail::kScanWarps - 1) / detail::kScanWarps,
+                                 detail::kScanWarps * 32, 0, stream>>>(p);
+  check(cudaGetLastError(), "launch schedule scan");
+  detail::schedule_offsets_kernel<<<1, detail::kOffsetsThreads, 0, stream>>>(p);
+  check(cudaGetLastError(), "launch schedule offsets");
+  const int64_t place_warps = int64_t{p.num_chunks} + El;
+  detail::schedule_place_kernel<<<static_cast<unsigned>((place_warps + warps - 1) / warps), warps * 32, smem,
+                                  stream>>>(p);
+  check(cudaGetLastError(), "launch schedule place");
+}
+
+// ---- dispatch and combine ----
+
+std::string can_implement(const GatherArgs& a) {
+  std::ostringstream why;
+  check_shape(a.shape, why);
+  check_hidden(a.hidden, why);
+  check_view(a.schedule, why);
+  if (!why.str().empty()) return finish(why);
+  check_table(a.x, a.shape.ranks, a.shape.tokens_per_rank > 0, true, "x", why);
+  if (a.rows == nullptr || !aligned16(a.rows)) why << "rows must be a 16-byte aligned device buffer; ";
+  if ((a.topk_w == nullptr) != (a.row_weights == nullptr))
+    why << "topk_w and row_weights must be given together; ";
+  if (a.topk_w != nullptr) check_table(a.topk_w, a.shape.ranks, a.shape.slots() > 0, false, "topk_w", why);
+  return finish(why);
+}
+
+void gather_rows(const GatherArgs& a, cudaStream_t stream) {
+  require(a, "gather_rows");
+  if (a.schedule.row_capacity == 0) return;
+  detail::GatherParams p{};
+  p.schedule = schedule_rows(a.schedule);
+  p.ranks = static_cast<int32_t>(a.shape.ranks);
+  p.topk = static_cast<int32_t>(a.shape.topk);
+  p.slots = static_cast<int32_t>(a.shape.slots());
+  p.row_vectors = static_cast<int32_t>(a.hidden / 8);
+  p.rows = static_cast<uint4*>(a.rows);
+  p.row_weights = a.row_weights;
+  for (int64_t r = 0; r < a.shape.ranks; ++r) {
+    p.x[r] = static_cast<const uint4*>(a.x[r]);
+    p.topk_w[r] = a.topk_w != nullptr ? a.topk_w[r] : nullptr;
+  }
+  const int grid = rows_grid(a.schedule.row_capacity, detail::kRowsThreads / 32, a.num_sms, 8);
+  detail::gather_rows_kernel<<<grid, detail::kRowsThreads, 0, stream>>>(p);
+  check(cudaGetLastError(), "launch gather_rows");
+}
+
+std::string can_implement(const ScatterArgs& a) {
+  std::ostringstream why;
+  check_shape(a.shape, why);
+  check_hidden(a.hidden, why);
+  check_view(a.schedule, why);
+  if (!why.str().empty()) return finish(why);
+  if (a.rows == nullptr || !aligned16(a.rows)) why << "rows must be a 16-byte aligned device buffer; ";
+  check_table(a.slots, a.shape.ranks, a.shape.slots() > 0, true, "slots", why);
+  return finish(why);
+}
+
+void scatter_rows(const ScatterArgs& a, cudaStream_t stream) {
+  require(a, "scatter_rows");
+  if (a.schedule.row_capacity == 0) return;
+  detail::ScatterParams p{};
+  p.schedule = schedule_rows(a.schedule);
+  p.ranks = static_cast<int32_t>(a.shape.ranks);
+  p.slots = static_cast<int32_t>(a.shape.slots());
+  p.row_vectors = static_cast<int32_t>(a.hidden / 8);
+  p.rows = static_cast<const uint4*>(a.rows);
+  for (int64_t r = 0; r < a.shape.ranks; ++r) p.slot_rows[r] = static_cast<uint4*>(a.slots[r]);
+  const int grid = rows_grid(a.schedule.row_capacity, detail::kRowsThreads / 32, a.num_sms, 8);
+  detail::scatter_rows_kernel<<<grid, detail::kRowsThreads, 0, stream>>>(p);
+  check(cudaGetLastError(), "launch scatter_rows");
+}
+
+std::string can_implement(const ScatterValuesArgs& a) {
+  std::ostringstream why;
+  check_shape(a.shape, why);
+  check_view(a.schedule, why);
+  if (!why.str().empty()) return finish(why);
+  if (a.values == nullptr) why << "values must not be null; ";
+  check_table(a.slot_values, a.shape.ranks, a.shape.slots() > 0, false, "slot_values", why);
+  return finish(why);
+}
+
+void scatter_row_values(const ScatterValuesArgs& a, cudaStream_t stream) {
+  require(a, "scatter_row_values");
+  if (a.schedule.row_capacity == 0) return;
+  detail::ScatterValuesParams p{};
+  p.schedule = schedule_rows(a.schedule);
+  p.ranks = static_cast<int32_t>(a.shape.ranks);
+  p.slots = static_cast<int32_t>(a.shape.slots());
+  p.values = a.values;
+  for (int64_t r = 0; r < a.shape.ranks; ++r) p.slot_values[r] = a.slot_values[r];
+  const int grid = rows_grid(a.schedule.row_capacity, detail::kRowsThreads, a.num_sms, 4);
+  detail::scatter_row_values_kernel<<<grid, detail::kRowsThreads, 0, stream>>>(p);
+  check(cudaGetLastError(), "launch scatter_row_values");
+}
+
+// ---- epilogues ----
+
+namespace {
+
+void check_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const void* base, const void* slots,
+                    const void* out, std::ostringstream& why) {
+  if (tokens < 0) why << "tokens must be >= 0, got " << tokens << "; ";
+  check_hidden(hidden, why);
+  if (topk < 1 || topk > kInt32Max) why << "topk must be >= 1, got " << topk << "; ";
+  if (tokens > 0 && (slots == nullptr || out == nullptr)) why << "slots and the output must not be null; ";
+  if (!aligned16(base) || !aligned16(slots) || !aligned16(out))
+    why << "bf16 buffers must be 16-byte aligned; ";
+}
+
+void launch_epilogue(bool weighted, const detail::EpilogueParams& p, int num_sms, cudaStream_t stream) {
+  if (p.tokens == 0) return;
+  const int grid = rows_grid(p.tokens * p.row_vectors, detail::kRowsThreads, num_sms, 8);
+  if (weighted) {
+    detail::epilogue_kernel<true><<<grid, detail::kRowsThreads, 0, stream>>>(p);
+  } else {
+    detail::epilogue_kernel<false><<<grid, detail::kRowsThreads, 0, stream>>>(p);
+  }
+  check(cudaGetLastError(), weighted ? "launch combine_epilogue" : "launch dispatch_grad_epilogue");
+}
+
+}  // namespace
+
+std::string can_implement(const CombineArgs& a) {
+  std::ostringstream why;
+  check_epilogue(a.tokens, a.hidden, a.topk, a.y_shared, a.slots, a.y, why);
+  if (a.tokens > 0 && a.topk_w == nullptr) why << "topk_w must not be null; ";
+  return finish(why);
+}
+
+void combine_epilogue(const CombineArgs& a, cudaStream_t stream) {
+  require(a, "combine_epilogue");
+  const detail::EpilogueParams p{a.tokens,
+                                 static_cast<int32_t>(a.topk),
+                                 static_cast<int32_t>(a.hidden / 8),
+                                 static_cast<const uint4*>(a.y_shared),
+                                 static_cast<const uint4*>(a.slots),
+                                 a.topk_w,
+                                 static_cast<uint4*>(a.y)};
+  launch_epilogue(true, p, a.num_sms, stream);
+}
+
+std::string can_implement(const DispatchGradArgs& a) {
+  std::ostringstream why;
+  check_epilogue(a.tokens, a.hidden, a.topk, a.dx_shared, a.slots, a.dx, why);
+  return finish(why);
+}
+
+void dispatch_grad_epilogue(const DispatchGradArgs& a, cudaStream_t stream) {
+  require(a, "dispatch_grad_epilogue");
+  const detail::EpilogueParams p{a.tokens,
+                                 static_cast<int32_t>(a.topk),
+                                 static_cast<int32_t>(a.hidden / 8),
+                                 static_cast<const uint4*>(a.dx_shared),
+                                 static_cast<const uint4*>(a.slots),
+                                 nullptr,
+                                 static_cast<uint4*>(a.dx)};
+  launch_epilogue(false, p, a.num_sms, stream);
+}
+
+}  // namespace mok::cuda
