@@ -15,6 +15,9 @@
 #include "mok/core/problem.h"
 #include "mok/core/reference.h"
 #include "progress.h"
+#ifdef MOK_WITH_CUDA
+#include "cuda_backend.h"
+#endif
 
 namespace mok::cli {
 namespace {
@@ -65,21 +68,127 @@ NamedOutputs collect(const ref::LayerForward<Real>& f, const ref::LayerGrads<Rea
   return o;
 }
 
-std::string backend_for(const std::string& requested) {
-#ifdef MOK_WITH_CUDA
-  const bool have_cuda = true;
-#else
-  const bool have_cuda = false;
-#endif
-  if (requested == "auto") return "cpu";  // the CUDA layer is not wired into `mok run` yet
-  if (requested == "cpu") return "cpu";
-  if (requested == "cuda") {
-    throw NotSupported(have_cuda
-                           ? "backend cuda: the GPU layer is not available in `mok run` yet; use --backend cpu"
-                           : "backend cuda: this mok was built without CUDA (no nvcc at build time)");
+struct Backend {
+  std::string name;  // "cpu" or "cuda"
+  std::string note;  // why auto did not pick cuda, or empty
+};
+
+// auto: cuda when this build has it, a Hopper GPU is present and the kernels take the shapes; else
+// cpu. A machine with nvcc but no GPU (CI) builds the CUDA backend and still runs on the CPU.
+Backend backend_for(const std::string& requested, const MoeDesc& desc) {
+  if (requested == "cpu") return {"cpu", ""};
+  if (requested != "auto" && requested != "cuda") {
+    throw InvalidArgument("backend '" + requested + "' is not one of: auto, cpu, cuda");
   }
-  throw InvalidArgument("backend '" + requested + "' is not one of: auto, cpu, cuda");
+#ifdef MOK_WITH_CUDA
+  std::string why = cuda_unavailable_reason();
+  if (why.empty()) why = cuda_cannot_run(desc);
+  if (why.empty()) return {"cuda", ""};
+  if (requested == "cuda") throw NotSupported("backend cuda: " + why);
+  return {"cpu", "cuda not used: " + why};
+#else
+  (void)desc;
+  if (requested == "cuda") {
+    throw NotSupported("backend cuda: this mok was built without CUDA (no nvcc at build time)");
+  }
+  return {"cpu", ""};
+#endif
 }
+
+// The check's oracle: the same layer in fp64 with no rounding (an exact function of the inputs).
+NamedOutputs exact_outputs(const ref::LayerInputs<float>& inputs, const std::vector<std::vector<float>>& dy,
+                           Progress& progress) {
+  ref::LayerInputs<double> exact;
+  exact.desc = inputs.desc;
+  for (const auto& v : inputs.x) exact.x.emplace_back(v.begin(), v.end());
+  for (const auto& v : inputs.topk_w) exact.topk_w.emplace_back(v.begin(), v.end());
+  exact.topk_idx = inputs.topk_idx;
+  exact.routed.gate.assign(inputs.routed.gate.begin(), inputs.routed.gate.end());
+  exact.routed.up.assign(inputs.routed.up.begin(), inputs.routed.up.end());
+  exact.routed.down.assign(inputs.routed.down.begin(), inputs.routed.down.end());
+  exact.shared.gate.assign(inputs.shared.gate.begin(), inputs.shared.gate.end());
+  exact.shared.up.assign(inputs.shared.up.begin(), inputs.shared.up.end());
+  exact.shared.down.assign(inputs.shared.down.begin(), inputs.shared.down.end());
+  std::vector<std::vector<double>> dy_exact;
+  for (const auto& v : dy) dy_exact.emplace_back(v.begin(), v.end());
+  const auto fwd_exact = ref::layer_forward(exact, ref::Rounding::none);
+  progress.step("fp64 forward");
+  const auto grads_exact = ref::layer_backward(exact, fwd_exact.context, dy_exact, ref::Rounding::none);
+  progress.step("fp64 backward");
+  return collect(fwd_exact, grads_exact);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Prints each output's relative error against the fp64 reference; true when all are within bound.
+bool check_against_exact(const NamedOutputs& out, const NamedOutputs& expected) {
+  bool ok = true;
+  std::printf("\ncheck against the fp64 reference (bound %.0e on ||out-ref||/||ref||):\n", kBf16RelTolerance);
+  for (size_t i = 0; i < out.values.size(); ++i) {
+    const Comparison c = compare(out.values[i], expected.values[i]);
+    const bool pass = c.within(kBf16RelTolerance);
+    ok = ok && pass;
+    std::printf("  %-16s %s %s\n", out.names[i].c_str(), pass ? "ok  " : "FAIL", c.describe("").c_str() + 2);
+  }
+  return ok;
+}
+
+#ifdef MOK_WITH_CUDA
+// The forward on the GPU (all ranks on one device); the backward on the CPU reference, said so.
+int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::vector<float>>& dy,
+                int64_t runs) {
+  const MoeDesc& desc = inputs.desc;
+  Progress progress(5, "mok run");
+  const CudaForward gpu = cuda_layer_forward(inputs, runs);
+  progress.step("forward (cuda)");
+  auto start = Clock::now();
+  const auto fwd_cpu = ref::layer_forward(inputs, ref::Rounding::bf16);
+  const double cpu_fwd_ms = ms_since(start);
+  progress.step("forward (cpu bf16 reference)");
+  start = Clock::now();
+  const auto grads = ref::layer_backward(inputs, fwd_cpu.context, dy, ref::Rounding::bf16);
+  const double bwd_ms = ms_since(start);
+  progress.step("backward (cpu)");
+  const NamedOutputs expected = exact_outputs(inputs, dy, progress);
+  progress.finish();
+
+  ref::LayerForward<float> gpu_fwd;
+  gpu_fwd.y = gpu.y;
+  const NamedOutputs out = collect(gpu_fwd, grads);
+
+  const double routed = 6.0 * desc.ranks * desc.routed_slots() * desc.hidden * desc.intermediate;
+  const double shared = 6.0 * desc.ranks * desc.tokens_per_rank * desc.hidden * desc.shared_intermediate;
+  const double fwd_flops = routed + shared;
+  std::printf("backend cuda: %s, all %lld ranks on one device\n", gpu.device.c_str(),
+              static_cast<long long>(desc.ranks));
+  std::printf("backward: cpu (GPU backward kernels not landed)\n");
+  std::printf("\n%-12s %-8s %12s %12s   (forward: median of %lld runs, cudaEvent time, all %lld ranks)\n",
+              "pass", "device", "time (ms)", "GFLOP/s", static_cast<long long>(runs),
+              static_cast<long long>(desc.ranks));
+  std::printf("%-12s %-8s %12.3f %12.1f\n", "forward", "cuda", median(gpu.forward_ms),
+              fwd_flops / median(gpu.forward_ms) / 1e6);
+  for (const auto& [stage, ms] : gpu.stage_ms) std::printf("  %-10s %-8s %12.3f\n", stage.c_str(), "", ms);
+  std::printf("%-12s %-8s %12.2f %12.2f\n", "forward", "cpu ref", cpu_fwd_ms, fwd_flops / cpu_fwd_ms / 1e6);
+  std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu", bwd_ms, 2 * fwd_flops / bwd_ms / 1e6);
+
+  std::printf("\ny from the GPU forward; gradients from the CPU backward\n");
+  bool ok = check_against_exact(out, expected);
+  const Comparison vs_cpu = compare(flatten(gpu.y), flatten(fwd_cpu.y));
+  const bool close = vs_cpu.within(kBf16RelTolerance);
+  ok = ok && close;
+  std::printf("check of the GPU forward against the CPU bf16 reference (bound %.0e):\n  %-16s %s %s\n",
+              kBf16RelTolerance, "y", close ? "ok  " : "FAIL", vs_cpu.describe("").c_str() + 2);
+  std::printf("determinism: %lld of %lld runs bitwise identical to the first (GPU forward)%s%s\n",
+              static_cast<long long>(gpu.identical_runs), static_cast<long long>(runs),
+              gpu.first_difference.empty() ? "" : "; ", gpu.first_difference.c_str());
+  ok = ok && gpu.identical_runs == runs;
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+#endif
 
 }  // namespace
 
@@ -100,20 +209,24 @@ int run_command(const std::vector<std::string>& argv) {
   MOK_REQUIRE(host_bytes < 8e9, "preset ", preset.name, " needs about ", format_bytes(host_bytes),
               " of host memory on the CPU backend; use a smaller preset (small, tiny)");
   const RoutingKind routing = parse_routing(args.str("routing", "zipf"));
-  const std::string backend = backend_for(args.str("backend", "auto"));
+  const Backend backend = backend_for(args.str("backend", "auto"), desc);
   const int64_t runs = args.integer("runs", 2);
   MOK_REQUIRE(runs >= 1 && runs <= 100, "runs must be in [1, 100], got ", runs);
   const int64_t threads = args.integer("threads", 0);
   set_cpu_threads(static_cast<int>(threads));
   const uint64_t seed = static_cast<uint64_t>(args.integer("seed", 1));
 
-  std::printf("mok run: preset %s, %s, routing %s, backend %s (%d threads), seed %llu\n",
-              preset.name.c_str(), desc.to_string().c_str(), to_string(routing), backend.c_str(),
-              cpu_threads(), static_cast<unsigned long long>(seed));
+  std::printf("mok run: preset %s, %s, routing %s, backend %s (%d threads%s%s), seed %llu\n",
+              preset.name.c_str(), desc.to_string().c_str(), to_string(routing), backend.name.c_str(),
+              cpu_threads(), backend.note.empty() ? "" : "; ", backend.note.c_str(),
+              static_cast<unsigned long long>(seed));
 
-  Progress progress(2 * runs + 2, "mok run");
   const auto inputs = make_inputs<float>(desc, routing, seed, /*bf16_values=*/true);
   const auto dy = make_output_grad<float>(desc, seed, /*bf16_values=*/true);
+#ifdef MOK_WITH_CUDA
+  if (backend.name == "cuda") return run_on_cuda(inputs, dy, runs);
+#endif
+  Progress progress(2 * runs + 2, "mok run");
 
   std::vector<double> fwd_ms, bwd_ms;
   NamedOutputs first;
@@ -147,31 +260,9 @@ int run_command(const std::vector<std::string>& argv) {
     identical_runs += same ? 1 : 0;
   }
 
-  // The check: the same layer in fp64 with no rounding (an exact function of the inputs).
-  ref::LayerInputs<double> exact;
-  exact.desc = inputs.desc;
-  for (const auto& v : inputs.x) exact.x.emplace_back(v.begin(), v.end());
-  for (const auto& v : inputs.topk_w) exact.topk_w.emplace_back(v.begin(), v.end());
-  exact.topk_idx = inputs.topk_idx;
-  exact.routed.gate.assign(inputs.routed.gate.begin(), inputs.routed.gate.end());
-  exact.routed.up.assign(inputs.routed.up.begin(), inputs.routed.up.end());
-  exact.routed.down.assign(inputs.routed.down.begin(), inputs.routed.down.end());
-  exact.shared.gate.assign(inputs.shared.gate.begin(), inputs.shared.gate.end());
-  exact.shared.up.assign(inputs.shared.up.begin(), inputs.shared.up.end());
-  exact.shared.down.assign(inputs.shared.down.begin(), inputs.shared.down.end());
-  std::vector<std::vector<double>> dy_exact;
-  for (const auto& v : dy) dy_exact.emplace_back(v.begin(), v.end());
-  const auto fwd_exact = ref::layer_forward(exact, ref::Rounding::none);
-  progress.step("fp64 forward");
-  const auto grads_exact = ref::layer_backward(exact, fwd_exact.context, dy_exact, ref::Rounding::none);
-  progress.step("fp64 backward");
+  const NamedOutputs expected = exact_outputs(inputs, dy, progress);
   progress.finish();
-  const NamedOutputs expected = collect(fwd_exact, grads_exact);
 
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   const double routed = 6.0 * desc.ranks * desc.routed_slots() * desc.hidden * desc.intermediate;
   const double shared = 6.0 * desc.ranks * desc.tokens_per_rank * desc.hidden * desc.shared_intermediate;
   const double fwd_flops = routed + shared;
@@ -180,14 +271,7 @@ int run_command(const std::vector<std::string>& argv) {
   std::printf("%-10s %12.2f %12.2f\n", "forward", median(fwd_ms), fwd_flops / median(fwd_ms) / 1e6);
   std::printf("%-10s %12.2f %12.2f\n", "backward", median(bwd_ms), 2 * fwd_flops / median(bwd_ms) / 1e6);
 
-  bool ok = true;
-  std::printf("\ncheck against the fp64 reference (bound %.0e on ||out-ref||/||ref||):\n", kBf16RelTolerance);
-  for (size_t i = 0; i < first.values.size(); ++i) {
-    const Comparison c = compare(first.values[i], expected.values[i]);
-    const bool pass = c.within(kBf16RelTolerance);
-    ok = ok && pass;
-    std::printf("  %-16s %s %s\n", first.names[i].c_str(), pass ? "ok  " : "FAIL", c.describe("").c_str() + 2);
-  }
+  bool ok = check_against_exact(first, expected);
   if (runs > 1) {
     std::printf("determinism: %lld of %lld runs bitwise identical to the first%s%s\n",
                 static_cast<long long>(identical_runs), static_cast<long long>(runs),
