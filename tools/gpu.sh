@@ -46,6 +46,24 @@ fi
 if has tests; then
   if "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then log "gpu tests ok"; else status=1; log "gpu tests FAILED"; fi
   grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
+  # `mok run` on the GPU (every rank emulated on one device): each run must exit 0 and end in PASS.
+  while read -r run_args; do
+    out="$("$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?
+    printf '$ mok run --backend cuda %s\n%s\n\n' "$run_args" "$out" >> "$LOGS/mok_run_cuda.log"
+    if [ "$rc" -eq 0 ] && [ "$(printf '%s\n' "$out" | tail -1)" = "PASS" ]; then
+      log "mok run --backend cuda $run_args: PASS"
+    else
+      status=1; log "mok run --backend cuda $run_args: FAILED (exit $rc)"; printf '%s\n' "$out" | tail -25
+    fi
+  done <<'RUNS'
+--preset small --ranks 2 --tokens 300 --runs 5
+--preset small --ranks 1 --tokens 1000 --routing balanced --runs 3
+--preset small --ranks 4 --tokens 513 --routing uniform --runs 3
+--preset tiny --ranks 4 --tokens 9 --routing one_expert --runs 3
+--preset tiny --ranks 2 --tokens 0
+--preset tiny --limit 0.5 --ranks 8 --tokens 5 --runs 2
+RUNS
+  grep -A12 -m1 "^pass " "$LOGS/mok_run_cuda.log" | tee -a "$LOGS/summary.txt"
 fi
 
 if has timing; then
@@ -56,7 +74,10 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     if compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
-         --gtest_filter='*small_balanced*:*BadOffsets*' > "$LOGS/sanitize_$tool.log" 2>&1; then
+         --gtest_filter='*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
+         > "$LOGS/sanitize_$tool.log" 2>&1 &&
+       compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
+         --tokens 130 --runs 1 >> "$LOGS/sanitize_$tool.log" 2>&1; then
       log "compute-sanitizer $tool clean"
     else
       status=1; log "compute-sanitizer $tool FAILED"; tail -20 "$LOGS/sanitize_$tool.log"
