@@ -209,10 +209,12 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
         ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
     launch(p, a.num_sms, stream);
   };
-  // The row operands need at least one row for their descriptors; with no rows every expert is
-  // empty and the tiles store zeros without loading.
-  const int64_t rows_for_tma = R > 0 ? R : 1;
-  (void)rows_for_tma;
+  if (R == 0) {  // no rows at all: every expert is empty (a TMA descriptor cannot have a zero extent)
+    check(cudaMemsetAsync(a.d_w_gate, 0, sizeof(float) * El * I * H, stream), "zero dW_gate");
+    check(cudaMemsetAsync(a.d_w_up, 0, sizeof(float) * El * I * H, stream), "zero dW_up");
+    check(cudaMemsetAsync(a.d_w_down, 0, sizeof(float) * El * H * I, stream), "zero dW_down");
+    return;
+  }
   wgrad(a.dgu, I, 2 * I, a.x, H, a.d_w_gate);
   wgrad(bf(a.dgu) + I, I, 2 * I, a.x, H, a.d_w_up);
   wgrad(a.dy, H, H, a.hw, I, a.d_w_down);
