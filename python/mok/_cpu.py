@@ -210,14 +210,14 @@ def forward(x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Ten
     if not save_context:
         return y.to(torch.bfloat16), _empty_context(shape)
     bf16 = torch.bfloat16
-    Is = shape.shared_intermediate
     assert gu is not None
     context = _Context(
         x_rows,
         gu.to(bf16),
         h.to(bf16),
-        shared_gu.to(bf16) if shared_gu is not None else torch.empty(T, 0, dtype=bf16),
-        shared_h.to(bf16) if shared_h is not None else torch.empty(T, Is, dtype=bf16),
+        # [T, 2*Is] and [T, Is] with Is = 0 when there is no shared expert (outputs never alias).
+        torch.empty(T, 0, dtype=bf16) if shared_gu is None else shared_gu.to(bf16),
+        torch.empty(T, 0, dtype=bf16) if shared_h is None else shared_h.to(bf16),
     )
     return y.to(bf16), context
 
@@ -292,10 +292,12 @@ def backward(dy: Tensor, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor
         dx_shared = _empty(T, H)
         ds_gate, ds_up, ds_down = _empty(Is, H), _empty(Is, H), _empty(H, Is)
         sw32 = [_weights_f32(w) for w in (s_gate, s_up, s_down)]
+        # The shared expert is one expert over all T rows, each with router weight 1.
         _C.experts_backward(H, Is, swiglu_limit, *(_np(w) for w in sw32), 1,
                             _np(torch.tensor([0, T], dtype=torch.int64)), _np(_as_f32(x)),
                             _np(_as_f32(ctx.shared_gate_up)), _np(_as_f32(ctx.shared_hidden)), _np(_as_f32(dy)),
-                            _np(torch.ones(T, dtype=torch.float32)), _np(dx_shared), None, _np(ds_gate), _np(ds_up), _np(ds_down))
+                            _np(torch.ones(T, dtype=torch.float32)), _np(dx_shared), None, _np(ds_gate),
+                            _np(ds_up), _np(ds_down))
         d_shared = (ds_gate.to(s_gate.dtype), ds_up.to(s_up.dtype), ds_down.to(s_down.dtype))
     dx = _empty(T, H)
     _C.dispatch_grad_epilogue(T, H, k, None if dx_shared is None else _np(dx_shared), _np(dx_slots), _np(dx))

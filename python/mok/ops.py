@@ -37,7 +37,6 @@ __all__ = ["build_schedule", "forward", "backward", "recompute_forward_context",
 
 Tensor = torch.Tensor
 _NUM_SCHEDULE = 7
-_NUM_CONTEXT = 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +231,8 @@ def _backward(ctx: Any, dy: Tensor | None, *_context_grads: Any) -> tuple[Any, .
     named = dict(zip(_SAVED_INPUTS, saved))
     schedule = list(saved[len(_SAVED_INPUTS) : len(_SAVED_INPUTS) + _NUM_SCHEDULE])
     context = list(saved[len(_SAVED_INPUTS) + _NUM_SCHEDULE :])
-    if dy is None:
-        return (None,) * len(_SAVED_INPUTS) + ([None] * _NUM_SCHEDULE, None, None, None)
+    if dy is None:  # still run: with a group, the other ranks' backward needs this rank's part
+        dy = torch.zeros(named["x"].shape, dtype=torch.bfloat16, device=named["x"].device)
     weights = tuple(named[n] for n in _SAVED_INPUTS[2:])
     if not ctx.save_context:  # activation checkpointing: rebuild the context, bitwise the forward's
         context = list(torch.ops.mok.recompute_forward_context(named["x"], *weights, schedule, ctx.topk,
