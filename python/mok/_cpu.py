@@ -86,9 +86,9 @@ def _checked_layer(step: str, group: _dist.EpGroup, schedule: tuple[Tensor, ...]
                    weights: tuple[Tensor | None, ...], swiglu_limit: float | None, topk: int | None = None,
                    more_checks: Callable[[_checks.LayerShape], None] | None = None) -> _checks.LayerShape:
     """Local checks, then agreement of every rank on their outcome and on the layer's shape."""
-    error: Exception | None = None
-    shape = _checks.LayerShape(0, 0, 0, 0, 0, 0)
-    try:
+    checked: list[_checks.LayerShape] = []
+
+    def check() -> _dist.Values:
         shape = _checks.check_layer(x, topk_w, *weights, swiglu_limit, topk=topk)
         _checks.check_schedule(schedule, shape)
         if schedule[4].shape[0] != group.size:
@@ -96,17 +96,17 @@ def _checked_layer(step: str, group: _dist.EpGroup, schedule: tuple[Tensor, ...]
         if more_checks is not None:
             more_checks(shape)
         _validate_desc(shape, group.size, swiglu_limit)
-    except (TypeError, ValueError) as e:
-        error = e
-    _dist.agree(group, step, error, _ep_values(shape, swiglu_limit))
-    return shape
+        checked.append(shape)
+        return _ep_values(shape, swiglu_limit)
+
+    _dist.agree(group, step, check)
+    return checked[0]
 
 
 def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Schedule:
     group = _dist.resolve(group_name)
-    error: Exception | None = None
-    tokens = topk = 0
-    try:
+
+    def check() -> _dist.Values:
         _checks.check_tensor(topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", None), ("k", None)))
         tokens, topk = topk_idx.shape
         if num_experts < 1 or num_experts % group.size != 0:
@@ -119,11 +119,10 @@ def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Sche
         # The schedule depends on T, k, E and R only; H and I are placeholders.
         _C.MoeDesc(tokens_per_rank=tokens, hidden=1, intermediate=1, num_experts=num_experts, topk=topk,
                    ranks=group.size).validate()
-    except (TypeError, ValueError) as e:
-        error = e
-    _dist.agree(group, "build_schedule", error,
-                {"tokens per rank (T)": tokens, "top-k (k)": topk, "num_experts (E)": num_experts})
+        return {"tokens per rank (T)": tokens, "top-k (k)": topk, "num_experts (E)": num_experts}
 
+    _dist.agree(group, "build_schedule", check)
+    tokens, topk = topk_idx.shape
     idx = topk_idx.detach().to(torch.int32).contiguous()
     every_rank = _dist.all_gather_rows(group, idx)  # [R*T, k], rank-major
     desc = _C.MoeDesc(tokens_per_rank=tokens, hidden=1, intermediate=1, num_experts=num_experts, topk=topk,

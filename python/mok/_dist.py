@@ -16,12 +16,14 @@ torch >= 2.10, so no all_gather fallback is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["EpGroup", "group_name_of", "resolve", "agree", "dispatch_rows", "combine_rows", "all_gather_rows"]
+__all__ = ["EpGroup", "group_name_of", "resolve", "agree", "report_failure", "dispatch_rows", "combine_rows",
+           "all_gather_rows"]
 
 # agree() gathers a fixed-size record from every rank: [step, status, 14 values]. The fixed size
 # means two ranks that reached different agree() calls still exchange matching tensors, and the
@@ -33,18 +35,21 @@ _STEPS = ("get_workspace", "build_schedule", "forward", "backward", "recompute_f
 
 @dataclass(frozen=True)
 class EpGroup:
-    """This process's place in the expert-parallel group (``pg is None``: one rank, no group)."""
+    """This process's place in the expert-parallel group (``name == ""``: one rank, no group).
 
-    pg: dist.ProcessGroup | None
+    Holds the group's name, not the ProcessGroup: nothing in mok keeps a process group alive past
+    ``destroy_process_group`` (a gloo group destroyed at interpreter exit can abort the process)."""
+
     name: str
     rank: int
     size: int
 
-    def global_rank(self, group_rank: int) -> int:
-        return group_rank if self.pg is None else dist.get_global_rank(self.pg, group_rank)
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return c10d._resolve_process_group(self.name) if self.name else None
 
     def describe(self, group_rank: int) -> str:
-        g = self.global_rank(group_rank)
+        g = group_rank if not self.name else dist.get_global_rank(self.pg, group_rank)
         return f"rank {group_rank}" if g == group_rank else f"rank {group_rank} (global rank {g})"
 
 
@@ -60,14 +65,14 @@ def group_name_of(group: dist.ProcessGroup | None) -> str:
 def resolve(name: str) -> EpGroup:
     """The group an op was given by name."""
     if not name:
-        return EpGroup(None, "", 0, 1)
+        return EpGroup("", 0, 1)
     if not dist.is_initialized():
         raise ValueError(f"mok: expert-parallel group {name!r} given, but torch.distributed is not initialized")
     pg = c10d._resolve_process_group(name)
     rank = dist.get_rank(pg)
     if rank < 0:
         raise ValueError(f"mok: this process (global rank {dist.get_rank()}) is not in the expert-parallel group {name!r}")
-    return EpGroup(pg, name, rank, dist.get_world_size(pg))
+    return EpGroup(name, rank, dist.get_world_size(pg))
 
 
 def _encode(value: float | int | None) -> float:
@@ -78,27 +83,41 @@ def _encode(value: float | int | None) -> float:
     return float(value)
 
 
-def agree(group: EpGroup, step: str, error: Exception | None, values: dict[str, float | int | None]) -> None:
+Values = dict[str, float | int | None]
+
+
+def agree(group: EpGroup, step: str, check: Callable[[], Values]) -> None:
     """Makes every rank of the group raise, or none: bad input on one rank never hangs the others.
 
-    Each rank passes the ``error`` its local checks raised (or None) and the ``values`` (shapes,
-    options) that must be equal on every rank. If any rank failed, the failing rank re-raises its
+    ``check`` runs this rank's local checks and returns the values (shapes, options) that must be
+    equal on every rank. If it raises TypeError or ValueError on any rank, that rank re-raises its
     own error and every other rank raises the same type naming that rank and its message. If the
     values differ, every rank raises ValueError naming the field and each rank's value.
     """
-    if group.size == 1 or group.pg is None:
-        if error is not None:
-            raise error
+    try:
+        values = check()
+    except (TypeError, ValueError) as error:
+        report_failure(group, step, error)
+        raise
+    _exchange(group, step, None, values)
+
+
+def report_failure(group: EpGroup, step: str, error: Exception) -> None:
+    """This rank's local checks for ``step`` failed with ``error``: tells the other ranks, which are
+    in that step's :func:`agree` (they raise, naming this rank). The caller raises ``error``."""
+    _exchange(group, step, error, {})
+
+
+def _exchange(group: EpGroup, step: str, error: Exception | None, values: Values) -> None:
+    if group.size == 1:
         return
     if len(values) > _RECORD - 2:
         raise AssertionError("agree(): too many values for one record")
-    status = _STATUS_OK
-    if error is not None:
-        status = _STATUS_TYPE_ERROR if isinstance(error, TypeError) else _STATUS_VALUE_ERROR
     record = torch.zeros(_RECORD, dtype=torch.float64)
     record[0] = _STEPS.index(step)
-    record[1] = status
-    if error is None:
+    if error is not None:
+        record[1] = _STATUS_TYPE_ERROR if isinstance(error, TypeError) else _STATUS_VALUE_ERROR
+    elif values:
         record[2 : 2 + len(values)] = torch.tensor([_encode(v) for v in values.values()], dtype=torch.float64)
     gathered = all_gather_rows(group, record.view(1, _RECORD)).view(group.size, _RECORD)
 
@@ -113,11 +132,11 @@ def agree(group: EpGroup, step: str, error: Exception | None, values: dict[str, 
         messages: list[str | None] = [None] * group.size
         dist.all_gather_object(messages, None if error is None else str(error), group=group.pg)
         if error is not None:
-            raise error
+            return  # the caller raises its own error
         r = failed[0]
         cls = TypeError if statuses[r] == _STATUS_TYPE_ERROR else ValueError
         raise cls(f"mok.{step}: {group.describe(r)} of the expert-parallel group rejected its inputs: {messages[r]}")
-    for i, (name, _) in enumerate(values.items()):
+    for i, name in enumerate(values):
         column = gathered[:, 2 + i].tolist()
         if any(v != column[0] for v in column):
             shown = ", ".join(f"{group.describe(r)}: {_show(v)}" for r, v in enumerate(column))
@@ -134,7 +153,7 @@ def _show(v: float) -> str:
 def all_gather_rows(group: EpGroup, rows: torch.Tensor) -> torch.Tensor:
     """``[R * n, ...]``: every rank's ``rows [n, ...]`` (same n everywhere), in group rank order."""
     rows = rows.contiguous()
-    if group.size == 1 or group.pg is None:
+    if group.size == 1:
         return rows
     out = rows.new_empty((group.size * rows.shape[0],) + tuple(rows.shape[1:]))
     dist.all_gather_into_tensor(out, rows, group=group.pg)
@@ -142,7 +161,7 @@ def all_gather_rows(group: EpGroup, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _all_to_all(group: EpGroup, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-    if group.size == 1 or group.pg is None:
+    if group.size == 1:
         return send
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group.pg)

@@ -32,7 +32,7 @@ Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import torch
@@ -212,32 +212,32 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     config = MoeConfig() if config is None else config
     ep = _dist.resolve(_dist.group_name_of(group))
     device = torch.device(device)
-    error: Exception | None = None
-    desc = None
     sizes = dict(num_local_tokens=num_local_tokens, hidden=hidden, intermediate=intermediate,
                  num_experts=num_experts, topk=topk, shared_intermediate=shared_intermediate)
-    try:
+    descs: list[Any] = []
+
+    def check() -> _dist.Values:
         if not isinstance(config, MoeConfig):
             raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        for name, value in asdict(config).items():
-            _int_or_none(value, f"MoeConfig.{name}")
+        for f in fields(MoeConfig):
+            _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
         _checks.check_swiglu_limit(swiglu_limit)
         desc = _C.MoeDesc(tokens_per_rank=num_local_tokens, hidden=hidden, intermediate=intermediate,
                           num_experts=num_experts, topk=topk, ranks=ep.size, shared_intermediate=shared_intermediate,
                           swiglu_limit=swiglu_limit)
         desc.validate()
-    except (TypeError, ValueError) as e:
-        error = e
-    values: dict[str, float | int | None] = {k: v if isinstance(v, int) else 0 for k, v in sizes.items()}
-    values["swiglu_limit"] = swiglu_limit if isinstance(swiglu_limit, (int, float)) else None
-    for f in fields(MoeConfig):
-        value = getattr(config, f.name, None)
-        values[f"MoeConfig.{f.name}"] = value if isinstance(value, int) else None
-    _dist.agree(ep, "get_workspace", error, values)
-    assert isinstance(config, MoeConfig) and desc is not None
+        descs.append(desc)
+        values: _dist.Values = dict(sizes)
+        values["swiglu_limit"] = swiglu_limit
+        values.update({f"MoeConfig.{f.name}": getattr(config, f.name) for f in fields(MoeConfig)})
+        return values
+
+    _dist.agree(ep, "get_workspace", check)
+    assert isinstance(config, MoeConfig)
+    desc = descs[0]
 
     facts = _device_facts(device)
     comm_sms = config.comm_sms
@@ -346,7 +346,7 @@ def _checked(group_name: str, step: str, check: Callable[[], _R]) -> _R:
     try:
         return check()
     except (TypeError, ValueError) as error:
-        _dist.agree(_dist.resolve(group_name), step, error, {})
+        _dist.report_failure(_dist.resolve(group_name), step, error)
         raise
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import sys
 import tempfile
@@ -282,12 +283,14 @@ def worker(rank: int, size: int, init_file: str, result_dir: str, with_compile: 
             check_subgroups(rank, size)
         if with_compile:
             check_compile(rank, size)
+            torch._dynamo.reset()  # compiled code holds the process group: let it go before destroying it
         dist.barrier()
     except BaseException:
         fault_log.write(traceback.format_exc())
         fault_log.flush()
         raise
     finally:
+        gc.collect()  # nothing may hold a gloo group past its destruction (an abort at exit otherwise)
         dist.destroy_process_group()
 
 

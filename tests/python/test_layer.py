@@ -56,6 +56,7 @@ CASES = [
     Case("sizes_off_every_tile", 37, 6, 19, 13, 3, shared=7),
     Case("top1", 10, 5, 16, 8, 1),
     Case("every_token_to_one_expert_set", 9, 8, 16, 8, 2, routing="all_to_one"),
+    Case("every_token_to_expert_0", 8, 4, 16, 8, 1, shared=4, routing="all_to_one"),
     Case("mostly_empty_experts", 3, 16, 16, 8, 2),
     Case("clamped_swiglu", 20, 4, 16, 12, 2, shared=8, limit=0.5),
     Case("duplicate_ids", 8, 4, 16, 8, 3, routing="duplicates"),
@@ -144,7 +145,7 @@ def reference_layer(case: Case, p: testing.MoeProblem, dy: torch.Tensor) -> dict
                 "d_s_down": out["d_shared_down"][0]} if p.shared else {})}
 
 
-@pytest.mark.parametrize("case", CASES[:11], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
 def test_bitwise_equal_to_cpp_reference(case: Case) -> None:
     p, dy = case.problem(), case.output_grad()
     ours = run_autograd(case, p, dy)
