@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+
 try:
-    from . import _C
+    _C = importlib.import_module("mok._C")
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(
         "mok._C, MoK's compiled extension, is not built or does not load "

@@ -7,7 +7,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
