@@ -34,8 +34,10 @@ def _mok_functional(required: tuple[str, ...]) -> ModuleType:
 def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
-    functional = _mok_functional(LAYER_API)
-    return _layer_runner(functional, problem, ctx)
+    # The package's ops raise NotImplementedError on CUDA tensors until the megakernel lands; the
+    # adapter below follows the reference system's argument order and must be moved to mok's
+    # functional API (mok.get_workspace / build_schedule / forward / backward) when it does.
+    raise Skip("the MoK layer on the GPU (the megakernel) has not landed yet")
 
 
 def _layer_runner(functional: ModuleType, problem: Any, ctx: BenchContext) -> Runner:

@@ -65,11 +65,13 @@ std::string format_bytes(double bytes) {
 }
 
 int default_comm_sms(const MoeDesc& desc, const DeviceFacts& device) {
-  const int most = std::max(2, device.sm_count / 4);
+  // At most a quarter of the SMs, and never all of them (a device of 2 "SMs", the CPU backend's
+  // nominal one, keeps 1 for compute).
+  const int most = std::max(1, std::min(std::max(2, device.sm_count / 4), device.sm_count - 1));
   if (desc.ranks == 1 || device.nvlink_gbps <= 0) return std::min(kLocalGatherSms, most);
   const int needed = static_cast<int>(std::ceil(device.nvlink_gbps / kPeerGbpsPerSm));
   const int even = (needed + 1) / 2 * 2;
-  return std::clamp(even, 4, most);
+  return std::clamp(even, std::min(4, most), most);
 }
 
 int64_t minibatch_rows_for_two_waves(const MoeDesc& desc, const TileShape& tiles, int compute_sms) {
@@ -157,8 +159,10 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
     why << "- comm SMs: " << cfg.comm_sms << " (given)\n";
   } else {
     cfg.comm_sms = default_comm_sms(desc, device);
-    if (desc.ranks == 1) {
-      why << "- comm SMs: " << cfg.comm_sms << ": one rank, the dispatch is a local row gather\n";
+    if (desc.ranks == 1 || device.nvlink_gbps <= 0) {
+      why << "- comm SMs: " << cfg.comm_sms << ": "
+          << (desc.ranks == 1 ? "one rank" : "no peer links on this device")
+          << ", the dispatch is a local row gather\n";
     } else {
       why << "- comm SMs: " << cfg.comm_sms << ": " << device.nvlink_gbps
           << " GB/s of peer reads at ~" << kPeerGbpsPerSm

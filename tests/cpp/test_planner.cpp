@@ -110,6 +110,14 @@ TEST(Planner, EveryPresetPlansAtTwoAndSixtyFourRanks) {
   }
 }
 
+TEST(Planner, TheCpuDeviceLeavesComputeSms) {
+  for (int64_t R : {1, 2}) {
+    const MoeConfig c = plan(find_preset("small").desc(R, 64), DeviceFacts::cpu());
+    EXPECT_EQ(c.comm_sms, 1);
+    EXPECT_EQ(c.compute_sms, 1);
+  }
+}
+
 TEST(Planner, SymmetricBytes) {
   MoeDesc d;
   d.tokens_per_rank = 4;
