@@ -10,9 +10,16 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+command -v python3 >/dev/null || need_apt+=(python3)
+python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
+[ -n "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)" ] &&
+  [ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || need_apt+=(python3-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} from Debian"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null && SUDO="sudo" || { echo "setup: need root (or sudo) to install ${need_apt[*]}"; exit 1; }
+  fi
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
 fi
 

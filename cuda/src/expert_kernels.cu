@@ -58,8 +58,11 @@ detail::GroupedGemmParams<Mainloop, Epilogue> rows_params(const typename Mainloo
   return {m, e, detail::TileOrder::grouped_rows, int(experts), int(rows), 0, n_blocks, k_blocks, offsets, status};
 }
 
-// y[offsets] = ... : the row reduction of the d topk_w partials, in column-block order.
-__global__ void reduce_row_partials(const float* partial, int blocks, int64_t rows, float* out) {
+// d_row_weight[r] = sum of the row's d topk_w partials, in column-block order, for the rows the
+// experts hold ([0, offsets[El])); rows past them are not touched, as by every other kernel.
+__global__ void reduce_row_partials(const float* partial, int blocks, const int32_t* offsets, int experts,
+                                    float* out) {
+  const int64_t rows = offsets[experts];
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     float acc = 0.0f;
     for (int b = 0; b < blocks; ++b) acc = __fadd_rn(acc, partial[r * blocks + b]);
@@ -180,7 +183,8 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
     launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, GemmConfig::kBlockK),
                                                                a.expert_offsets, a.status),
            a.num_sms, stream);
-    reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, R, a.d_row_weight);
+    reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
+                                                            a.d_row_weight);
     check(cudaGetLastError(), "launch reduce_row_partials");
 
     // 2. dx = dg * W_gate + du * W_up: A = dgu as (rows, I, 2 planes), B = W_gate then W_up as

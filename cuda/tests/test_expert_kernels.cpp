@@ -138,6 +138,7 @@ TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
                   cy.rel_error, static_cast<long long>(M));
       for (size_t i = M * H; i < y.size(); ++i) ASSERT_EQ(y[i], 0xffff) << "row past the experts was written";
       for (size_t i = M * I; i < h.size(); ++i) ASSERT_EQ(h[i], 0xffff) << "row past the experts was written";
+      for (size_t i = M * 2 * I; i < gu.size(); ++i) ASSERT_EQ(gu[i], 0xffff) << "row past the experts was written";
       first_gu = std::move(gu);
       first_h = std::move(h);
       first_y = std::move(y);
@@ -199,24 +200,30 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   ref::experts_backward(shape, view, offsets, x.data(), gu.data(), h.data(), dy.data(), rw.data(), dx_ref.data(),
                         dw_ref.data(), dg_ref.data(), du_ref.data(), dd_ref.data(), ref::Rounding::bf16);
 
+  // The row buffers hold 256 rows more than the experts use: those rows must stay untouched.
+  const int64_t cap = M + 2 * cuda::kRowAlign;
   const int64_t blocks = cuda::dw_partial_blocks(I);
-  DeviceBuffer<uint16_t> dx_in(x.size()), dgu_in(gu.size()), dh_in(h.size()), ddy(dy.size()), dwg(wg.size()),
-      dwu(wu.size()), dwd(wd.size()), dgu(M * 2 * I), dhw(M * I), ddx(M * H);
-  DeviceBuffer<float> drw(rw.size()), dpartial(M * blocks), ddw(M), dWg(El * I * H), dWu(El * I * H), dWd(El * H * I);
+  auto padded = [&](std::vector<float> v, int64_t width) {
+    v.resize(static_cast<size_t>(cap * width), 0.0f);
+    return v;
+  };
+  DeviceBuffer<uint16_t> dx_in(cap * H), dgu_in(cap * 2 * I), dh_in(cap * I), ddy(cap * H), dwg(wg.size()),
+      dwu(wu.size()), dwd(wd.size()), dgu(cap * 2 * I), dhw(cap * I), ddx(cap * H);
+  DeviceBuffer<float> drw(cap), dpartial(cap * blocks), ddw(cap), dWg(El * I * H), dWu(El * I * H), dWd(El * H * I);
   DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
-  dx_in.upload(to_bits(x));
-  dgu_in.upload(to_bits(gu));
-  dh_in.upload(to_bits(h));
-  ddy.upload(to_bits(dy));
+  dx_in.upload(to_bits(padded(x, H)));
+  dgu_in.upload(to_bits(padded(gu, 2 * I)));
+  dh_in.upload(to_bits(padded(h, I)));
+  ddy.upload(to_bits(padded(dy, H)));
   dwg.upload(to_bits(wg));
   dwu.upload(to_bits(wu));
   dwd.upload(to_bits(wd));
-  drw.upload(rw);
+  drw.upload(padded(rw, 1));
   doff.upload(std::vector<int32_t>(offsets.begin(), offsets.end()));
   CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
 
   cuda::ExpertsBackwardArgs a;
-  a.row_capacity = M;
+  a.row_capacity = cap;
   a.hidden = H;
   a.intermediate = I;
   a.local_experts = El;
@@ -257,7 +264,11 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     auto dx = ddx.download();
     auto dw = ddw.download(), g = dWg.download(), u = dWu.download(), d = dWd.download();
     if (run == 0) {
-      const Comparison cx = compare(from_bits(dx), dx_ref), cw = compare(dw, dw_ref), cg = compare(g, dg_ref),
+      for (size_t i = M * H; i < dx.size(); ++i) ASSERT_EQ(dx[i], 0xffff) << "dx row past the experts was written";
+      for (size_t i = M; i < dw.size(); ++i) ASSERT_TRUE(std::isnan(dw[i])) << "d_row_weight past the experts written";
+      const std::vector<float> dx_m = from_bits(std::vector<uint16_t>(dx.begin(), dx.begin() + M * H));
+      const std::vector<float> dw_m(dw.begin(), dw.begin() + M);
+      const Comparison cx = compare(dx_m, dx_ref), cw = compare(dw_m, dw_ref), cg = compare(g, dg_ref),
                        cu = compare(u, du_ref), cd = compare(d, dd_ref);
       EXPECT_TRUE(cx.within(1e-2)) << cx.describe("dx");
       EXPECT_TRUE(cw.within(1e-2)) << cw.describe("d_row_weight");
@@ -269,7 +280,11 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
       // Empty experts: their weight gradients are exactly zero (written, not left poisoned).
       for (int64_t e = 0; e < El; ++e) {
         if (c.rows[e] != 0) continue;
-        for (int64_t i = e * I * H; i < (e + 1) * I * H; ++i) ASSERT_EQ(g[i], 0.0f) << "empty expert " << e;
+        for (int64_t i = e * I * H; i < (e + 1) * I * H; ++i) {
+          ASSERT_EQ(g[i], 0.0f) << "dW_gate of empty expert " << e;
+          ASSERT_EQ(u[i], 0.0f) << "dW_up of empty expert " << e;
+          ASSERT_EQ(d[i], 0.0f) << "dW_down of empty expert " << e;
+        }
       }
       first_dx = std::move(dx);
       first_dw = std::move(dw);

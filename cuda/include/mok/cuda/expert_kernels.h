@@ -48,7 +48,8 @@ void gate_up_swiglu(const ExpertsForwardArgs& args, cudaStream_t stream);
 void down_projection(const ExpertsForwardArgs& args, cudaStream_t stream);
 
 // The backward on the same grouped rows (reference.h: experts_backward). dy holds each row's
-// output gradient, unscaled; row_weight each row's router weight (0 for padding rows).
+// output gradient, unscaled; row_weight each row's router weight (0 for padding rows). Row
+// outputs (dx, d_row_weight, the scratch rows) are written for rows [0, offsets[El]) only.
 struct ExpertsBackwardArgs {
   int64_t row_capacity = 0;
   int64_t hidden = 0;

@@ -274,7 +274,7 @@ struct SwiGluBackwardEpilogue {
             u_passes = false;
           }
         }
-        const float sig = sigmoid(gc);
+        const float sig = sigmoid_fast(gc);
         const float silu = __fmul_rn(gc, sig);
         const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(gc, __fsub_rn(1.0f, sig))));
         const float s = __fmul_rn(w, d);

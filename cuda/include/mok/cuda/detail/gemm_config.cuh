@@ -24,11 +24,21 @@ struct GemmConfig {
 };
 
 // Shared-memory layouts of one operand's stages, (rows of the operand tile, BLOCK_K, STAGES),
-// with the 128-byte swizzle; K-major (K contiguous) or MN-major (rows contiguous).
+// with the 128-byte swizzle; K-major (K contiguous) or MN-major (rows contiguous). MN-major atoms
+// (64 rows x 8 k) are stacked along K first, so one TMA box covers 64 rows x BLOCK_K instead of
+// 64 x 8 (CUTLASS orders its MN-major stages the same way).
 template <GMMA::Major kMajor, int kRows>
-using OperandSmemLayout = decltype(tile_to_shape(
-    conditional_t<kMajor == GMMA::Major::K, GMMA::Layout_K_SW128_Atom<bfloat16_t>, GMMA::Layout_MN_SW128_Atom<bfloat16_t>>{},
-    Shape<Int<kRows>, Int<GemmConfig::kBlockK>, Int<GemmConfig::kStages>>{}));
+struct OperandSmemLayoutOf {
+  using Shape_ = Shape<Int<kRows>, Int<GemmConfig::kBlockK>, Int<GemmConfig::kStages>>;
+  using type = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape_{}));
+};
+template <int kRows>
+struct OperandSmemLayoutOf<GMMA::Major::MN, kRows> {
+  using Shape_ = Shape<Int<kRows>, Int<GemmConfig::kBlockK>, Int<GemmConfig::kStages>>;
+  using type = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape_{}, Step<_2, _1, _3>{}));
+};
+template <GMMA::Major kMajor, int kRows>
+using OperandSmemLayout = typename OperandSmemLayoutOf<kMajor, kRows>::type;
 
 template <GMMA::Major kMajorA, GMMA::Major kMajorB>
 using ExpertTiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<kMajorA, kMajorB>{},
