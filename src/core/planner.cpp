@@ -7,6 +7,7 @@
 
 #include "mok/core/error.h"
 #include "mok/core/schedule.h"
+#include "mok/core/symmetric_layout.h"
 
 namespace mok {
 namespace {
@@ -92,15 +93,7 @@ int64_t ring_row_bytes(const MoeDesc& desc) {
 }
 
 int64_t symmetric_bytes(const MoeDesc& desc) {
-  const int64_t T = desc.tokens_per_rank, H = desc.hidden, k = desc.topk;
-  return aligned(T * H * 2)        // x
-         + aligned(T * k * 4)      // topk_idx
-         + aligned(T * k * 4)      // topk_w
-         + aligned(T * k * H * 2)  // combine slots
-         + aligned(T * H * 2)      // dy
-         + aligned(T * k * H * 2)  // dx slots
-         + aligned(T * k * 4)      // d topk_w slots
-         + 4096;                   // signals and status words
+  return SymmetricLayout::make(desc.tokens_per_rank, desc.hidden, desc.topk, desc.ranks).total;
 }
 
 PassCost forward_cost(const MoeDesc& desc, const DeviceFacts& device) {
