@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "args.h"
 #include "mok/core/compare.h"
@@ -137,51 +139,92 @@ bool check_against_exact(const NamedOutputs& out, const NamedOutputs& expected) 
 }
 
 #ifdef MOK_WITH_CUDA
-// The forward on the GPU (all ranks on one device); the backward on the CPU reference, said so.
+// Prints each output's relative error against the CPU bf16 reference (the same rounding points);
+// the shared expert's gradients per rank (each rank's are its own), the worst rank shown.
+bool check_against_bf16_reference(const ref::LayerForward<float>& gpu_fwd, const ref::LayerGrads<float>& gpu,
+                                  const ref::LayerForward<float>& cpu_fwd, const ref::LayerGrads<float>& cpu) {
+  bool ok = true;
+  std::printf("check of the GPU forward and backward against the CPU bf16 reference (bound %.0e):\n",
+              kBf16RelTolerance);
+  auto line = [&ok](const std::string& name, const Comparison& c) {
+    const bool pass = c.within(kBf16RelTolerance);
+    ok = ok && pass;
+    std::printf("  %-16s %s %s\n", name.c_str(), pass ? "ok  " : "FAIL", c.describe("").c_str() + 2);
+  };
+  line("y", compare(flatten(gpu_fwd.y), flatten(cpu_fwd.y)));
+  line("dx", compare(flatten(gpu.dx), flatten(cpu.dx)));
+  line("d_topk_w", compare(flatten(gpu.d_topk_w), flatten(cpu.d_topk_w)));
+  line("dW_gate", compare(gpu.d_routed.gate, cpu.d_routed.gate));
+  line("dW_up", compare(gpu.d_routed.up, cpu.d_routed.up));
+  line("dW_down", compare(gpu.d_routed.down, cpu.d_routed.down));
+  if (!cpu.d_shared.empty() && !cpu.d_shared.front().gate.empty()) {
+    using Part = std::vector<float> ref::SharedWeights<float>::*;
+    const std::pair<const char*, Part> parts[] = {{"shared dW_gate", &ref::SharedWeights<float>::gate},
+                                                  {"shared dW_up", &ref::SharedWeights<float>::up},
+                                                  {"shared dW_down", &ref::SharedWeights<float>::down}};
+    for (const auto& [name, part] : parts) {
+      Comparison worst;
+      size_t worst_rank = 0;
+      for (size_t r = 0; r < cpu.d_shared.size(); ++r) {
+        const Comparison c = r < gpu.d_shared.size() ? compare(gpu.d_shared[r].*part, cpu.d_shared[r].*part)
+                                                     : compare(std::vector<float>{}, cpu.d_shared[r].*part);
+        auto badness = [](const Comparison& x) { return std::make_pair(!x.within(kBf16RelTolerance), x.rel_error); };
+        if (r == 0 || badness(c) > badness(worst)) {
+          worst = c;
+          worst_rank = r;
+        }
+      }
+      line(std::string(name) + " r" + std::to_string(worst_rank), worst);
+    }
+  }
+  return ok;
+}
+
+// The forward and backward on the GPU (all ranks on one device), checked against the CPU bf16
+// reference and the fp64 one.
 int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::vector<float>>& dy,
                 int64_t runs) {
   const MoeDesc& desc = inputs.desc;
   Progress progress(5, "mok run");
-  const CudaForward gpu = cuda_layer_forward(inputs, runs);
-  progress.step("forward (cuda)");
+  const CudaLayer gpu = cuda_layer(inputs, dy, runs);
+  progress.step("forward and backward (cuda)");
   auto start = Clock::now();
   const auto fwd_cpu = ref::layer_forward(inputs, ref::Rounding::bf16);
   const double cpu_fwd_ms = ms_since(start);
   progress.step("forward (cpu bf16 reference)");
   start = Clock::now();
-  const auto grads = ref::layer_backward(inputs, fwd_cpu.context, dy, ref::Rounding::bf16);
-  const double bwd_ms = ms_since(start);
-  progress.step("backward (cpu)");
+  const auto grads_cpu = ref::layer_backward(inputs, fwd_cpu.context, dy, ref::Rounding::bf16);
+  const double cpu_bwd_ms = ms_since(start);
+  progress.step("backward (cpu bf16 reference)");
   const NamedOutputs expected = exact_outputs(inputs, dy, progress);
   progress.finish();
 
   ref::LayerForward<float> gpu_fwd;
   gpu_fwd.y = gpu.y;
-  const NamedOutputs out = collect(gpu_fwd, grads);
+  const NamedOutputs out = collect(gpu_fwd, gpu.grads);
 
   const double routed = 6.0 * desc.ranks * desc.routed_slots() * desc.hidden * desc.intermediate;
   const double shared = 6.0 * desc.ranks * desc.tokens_per_rank * desc.hidden * desc.shared_intermediate;
   const double fwd_flops = routed + shared;
   std::printf("backend cuda: %s, all %lld ranks on one device\n", gpu.device.c_str(),
               static_cast<long long>(desc.ranks));
-  std::printf("backward: cpu (GPU backward kernels not landed)\n");
-  std::printf("\n%-12s %-8s %12s %12s   (forward: median of %lld runs, cudaEvent time, all %lld ranks)\n",
+  std::printf("backward: cuda\n");
+  std::printf("\n%-12s %-8s %12s %12s   (cuda: median of %lld runs, cudaEvent time, all %lld ranks)\n",
               "pass", "device", "time (ms)", "GFLOP/s", static_cast<long long>(runs),
               static_cast<long long>(desc.ranks));
   std::printf("%-12s %-8s %12.3f %12.1f\n", "forward", "cuda", median(gpu.forward_ms),
               fwd_flops / median(gpu.forward_ms) / 1e6);
-  for (const auto& [stage, ms] : gpu.stage_ms) std::printf("  %-10s %-8s %12.3f\n", stage.c_str(), "", ms);
+  for (const auto& [stage, ms] : gpu.forward_stage_ms) std::printf("  %-10s %-8s %12.3f\n", stage.c_str(), "", ms);
+  std::printf("%-12s %-8s %12.3f %12.1f\n", "backward", "cuda", median(gpu.backward_ms),
+              2 * fwd_flops / median(gpu.backward_ms) / 1e6);
+  for (const auto& [stage, ms] : gpu.backward_stage_ms) std::printf("  %-10s %-8s %12.3f\n", stage.c_str(), "", ms);
   std::printf("%-12s %-8s %12.2f %12.2f\n", "forward", "cpu ref", cpu_fwd_ms, fwd_flops / cpu_fwd_ms / 1e6);
-  std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu", bwd_ms, 2 * fwd_flops / bwd_ms / 1e6);
+  std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu ref", cpu_bwd_ms, 2 * fwd_flops / cpu_bwd_ms / 1e6);
 
-  std::printf("\ny from the GPU forward; gradients from the CPU backward\n");
+  std::printf("\ny and gradients from the GPU\n");
   bool ok = check_against_exact(out, expected);
-  const Comparison vs_cpu = compare(flatten(gpu.y), flatten(fwd_cpu.y));
-  const bool close = vs_cpu.within(kBf16RelTolerance);
-  ok = ok && close;
-  std::printf("check of the GPU forward against the CPU bf16 reference (bound %.0e):\n  %-16s %s %s\n",
-              kBf16RelTolerance, "y", close ? "ok  " : "FAIL", vs_cpu.describe("").c_str() + 2);
-  std::printf("determinism: %lld of %lld runs bitwise identical to the first (GPU forward)%s%s\n",
+  ok = check_against_bf16_reference(gpu_fwd, gpu.grads, fwd_cpu, grads_cpu) && ok;
+  std::printf("determinism: %lld of %lld runs bitwise identical to the first (GPU forward and backward)%s%s\n",
               static_cast<long long>(gpu.identical_runs), static_cast<long long>(runs),
               gpu.first_difference.empty() ? "" : "; ", gpu.first_difference.c_str());
   ok = ok && gpu.identical_runs == runs;

@@ -3,11 +3,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "mok/core/bf16.h"
+#include "mok/core/compare.h"
 #include "mok/core/error.h"
 #include "mok/core/planner.h"
 #include "mok/cuda/expert_kernels.h"
@@ -102,6 +105,19 @@ struct RankBuffers {
   DeviceArray<int32_t> shared_offsets;                  // {0, Tpad}
   DeviceArray<uint16_t> shared_gu, shared_h, y_shared;  // [Tpad, 2Is], [Tpad, Is], [Tpad, H]
   DeviceArray<int32_t> shared_status;
+  // The backward. As a source rank:
+  DeviceArray<uint16_t> dy;        // [Tpad, H], rows [T, Tpad) zero (the shared expert's row padding)
+  DeviceArray<uint16_t> dx_slots;  // [T*k, H] dispatch-gradient slots
+  DeviceArray<float> d_topk_w;     // [T*k]
+  DeviceArray<uint16_t> dx;        // [T, H]
+  DeviceArray<uint16_t> dx_shared;                      // [Tpad, H]
+  DeviceArray<float> shared_d_gate, shared_d_up, shared_d_down;  // [Is, H], [Is, H], [H, Is] fp32
+  DeviceArray<int32_t> shared_backward_status;
+  // As a destination rank:
+  DeviceArray<uint16_t> dy_rows, dx_rows;  // [cap, H]
+  DeviceArray<float> row_weights, d_row_weight;  // [cap]
+  DeviceArray<float> d_gate, d_up, d_down;  // [El, I, H], [El, I, H], [El, H, I] fp32
+  DeviceArray<int32_t> backward_status;
 };
 
 struct Events {
@@ -185,10 +201,69 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   c.topk_w = placeholder<const float>();
   c.y = placeholder<void>();
   add("combine epilogue", cuda::can_implement(c));
+
+  auto backward_with_pointers = [](int64_t rows, int64_t H, int64_t I, int64_t experts,
+                                   const std::optional<float>& limit) {
+    cuda::ExpertsBackwardArgs a;
+    a.row_capacity = rows;
+    a.hidden = H;
+    a.intermediate = I;
+    a.local_experts = experts;
+    a.swiglu_limit = limit;
+    a.expert_offsets = placeholder<const int32_t>();
+    a.x = a.gu = a.h = a.dy = a.w_gate = a.w_up = a.w_down = placeholder<const void>();
+    a.row_weight = placeholder<const float>();
+    a.dgu = a.hw = a.dx = placeholder<void>();
+    a.dw_partial = a.d_row_weight = a.d_w_gate = a.d_w_up = a.d_w_down = placeholder<float>();
+    a.status = placeholder<int32_t>();
+    return a;
+  };
+  add("routed experts backward",
+      cuda::can_implement(backward_with_pointers(cap, d.hidden, d.intermediate, d.local_experts(), d.swiglu_limit)));
+  if (d.has_shared()) {
+    add("shared expert backward",
+        cuda::can_implement(backward_with_pointers(round_up(d.tokens_per_rank, cuda::kRowAlign), d.hidden,
+                                                   d.shared_intermediate, 1, d.swiglu_limit)));
+  }
+  const cuda::ScheduleView view{d.local_experts(), cap, placeholder<const int32_t>(), placeholder<const int32_t>(),
+                                placeholder<const int32_t>()};
+  std::vector<const void*> rows_table(idx.size(), placeholder<const void>());
+  std::vector<const float*> weights_table(idx.size(), placeholder<const float>());
+  std::vector<void*> slots_table(idx.size(), placeholder<void>());
+  std::vector<float*> values_table(idx.size(), placeholder<float>());
+  cuda::GatherArgs g;
+  g.shape = shape;
+  g.hidden = d.hidden;
+  g.schedule = view;
+  g.x = rows_table.data();
+  g.rows = placeholder<void>();
+  g.topk_w = weights_table.data();
+  g.row_weights = placeholder<float>();
+  add("dispatch", cuda::can_implement(g));
+  cuda::ScatterArgs sc;
+  sc.shape = shape;
+  sc.hidden = d.hidden;
+  sc.schedule = view;
+  sc.rows = placeholder<const void>();
+  sc.slots = slots_table.data();
+  add("combine / dx scatter", cuda::can_implement(sc));
+  cuda::ScatterValuesArgs sv;
+  sv.shape = shape;
+  sv.schedule = view;
+  sv.values = placeholder<const float>();
+  sv.slot_values = values_table.data();
+  add("d topk_w scatter", cuda::can_implement(sv));
+  cuda::DispatchGradArgs dg;
+  dg.tokens = d.tokens_per_rank;
+  dg.hidden = d.hidden;
+  dg.topk = d.topk;
+  dg.dx_shared = dg.slots = placeholder<const void>();
+  dg.dx = placeholder<void>();
+  add("dispatch-gradient epilogue", cuda::can_implement(dg));
   return why;
 }
 
-CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) {
+CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs) {
   const MoeDesc& d = in.desc;
   if (const std::string why = cuda_unavailable_reason(); !why.empty())
     throw NotSupported("backend cuda: " + why);
@@ -202,7 +277,14 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
   const size_t scap = static_cast<size_t>(cap), sEl = static_cast<size_t>(El), sI = static_cast<size_t>(I);
   const size_t sTpad = static_cast<size_t>(Tpad), sIs = static_cast<size_t>(Is);
 
-  CudaForward out;
+  if (dy.size() != static_cast<size_t>(R)) throw InvalidArgument("backend cuda: dy needs one tensor per rank");
+  for (const auto& v : dy) {
+    if (v.size() != sT * sH) throw InvalidArgument("backend cuda: every rank's dy must have T*H values");
+  }
+  const size_t sIs_blocks = static_cast<size_t>(cuda::dw_partial_blocks(Is));
+  const size_t sI_blocks = static_cast<size_t>(cuda::dw_partial_blocks(I));
+
+  CudaLayer out;
   {
     int device = 0;
     cudaDeviceProp prop{};
@@ -264,7 +346,45 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
       b.y_shared = DeviceArray<uint16_t>(sTpad * sH, "shared y" + of);
       b.shared_status = DeviceArray<int32_t>(1, "shared status" + of);
       check(cudaMemset(b.shared_status.get(), 0, sizeof(int32_t)), "zero shared status");
+      b.dx_shared = DeviceArray<uint16_t>(sTpad * sH, "shared dx" + of);
+      b.shared_d_gate = DeviceArray<float>(sIs * sH, "shared dW_gate" + of);
+      b.shared_d_up = DeviceArray<float>(sIs * sH, "shared dW_up" + of);
+      b.shared_d_down = DeviceArray<float>(sH * sIs, "shared dW_down" + of);
+      b.shared_backward_status = DeviceArray<int32_t>(1, "shared backward status" + of);
+      check(cudaMemset(b.shared_backward_status.get(), 0, sizeof(int32_t)), "zero shared backward status");
     }
+    b.dy = DeviceArray<uint16_t>(sTpad * sH, "dy" + of);
+    check(cudaMemset(b.dy.get(), 0, b.dy.bytes()), "zero dy padding");
+    b.dy.upload(to_bf16_bits(dy[static_cast<size_t>(r)]));
+    b.dx_slots = DeviceArray<uint16_t>(sT * sk * sH, "dispatch-gradient slots" + of);
+    b.d_topk_w = DeviceArray<float>(sT * sk, "d topk_w" + of);
+    b.dx = DeviceArray<uint16_t>(sT * sH, "dx" + of);
+    b.dy_rows = DeviceArray<uint16_t>(scap * sH, "dy rows" + of);
+    b.dx_rows = DeviceArray<uint16_t>(scap * sH, "dx rows" + of);
+    b.row_weights = DeviceArray<float>(scap, "row weights" + of);
+    b.d_row_weight = DeviceArray<float>(scap, "d row weight" + of);
+    b.d_gate = DeviceArray<float>(expert_elems, "dW_gate" + of);
+    b.d_up = DeviceArray<float>(expert_elems, "dW_up" + of);
+    b.d_down = DeviceArray<float>(expert_elems, "dW_down" + of);
+    b.backward_status = DeviceArray<int32_t>(1, "backward status" + of);
+    check(cudaMemset(b.backward_status.get(), 0, sizeof(int32_t)), "zero backward status");
+  }
+  // Scratch of the experts backward, consumed within one launch: one set serves every rank (the
+  // launches are ordered on one stream).
+  DeviceArray<uint16_t> dgu(scap * 2 * sI, "dg|du rows"), hw(scap * sI, "w*h rows");
+  DeviceArray<float> dw_partial(scap * sI_blocks, "d row weight partials");
+  DeviceArray<uint16_t> shared_dgu, shared_hw;
+  DeviceArray<float> shared_dw_partial, shared_row_weight, shared_d_row_weight;
+  if (d.has_shared()) {
+    shared_dgu = DeviceArray<uint16_t>(sTpad * 2 * sIs, "shared dg|du rows");
+    shared_hw = DeviceArray<uint16_t>(sTpad * sIs, "shared w*h rows");
+    shared_dw_partial = DeviceArray<float>(sTpad * sIs_blocks, "shared d row weight partials");
+    shared_d_row_weight = DeviceArray<float>(sTpad, "shared d row weight");
+    // Row weight 1 for the T real rows, 0 for the padding rows (they contribute nothing).
+    std::vector<float> w(sTpad, 0.0f);
+    std::fill(w.begin(), w.begin() + static_cast<std::ptrdiff_t>(sT), 1.0f);
+    shared_row_weight = DeviceArray<float>(sTpad, "shared row weights");
+    shared_row_weight.upload(w);
   }
   // The tables of per-rank pointers every kernel reads the other ranks through.
   std::vector<const int32_t*> idx_ptrs;
@@ -275,12 +395,26 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
     x_ptrs.push_back(b.x.get());
     slot_ptrs.push_back(b.slots.get());
   }
+  std::vector<const void*> dy_ptrs;
+  std::vector<const float*> w_ptrs;
+  std::vector<void*> dx_slot_ptrs;
+  std::vector<float*> d_topk_w_ptrs;
+  for (RankBuffers& b : ranks) {
+    dy_ptrs.push_back(b.dy.get());
+    w_ptrs.push_back(b.topk_w.get());
+    dx_slot_ptrs.push_back(b.dx_slots.get());
+    d_topk_w_ptrs.push_back(b.d_topk_w.get());
+  }
 
   // ---- The forward: one stage over all ranks at a time, an event after each stage ----
   const std::vector<std::string> stages{"schedule", "dispatch", "experts", "combine", "shared", "epilogue"};
-  Events events(stages.size() + 1);
+  const std::vector<std::string> backward_stages{"dispatch dy", "experts", "scatter dx", "shared", "epilogue"};
+  Events events(stages.size() + 1), backward_events(backward_stages.size() + 1);
   auto mark = [&](size_t i, bool timed) {
     if (timed) check(cudaEventRecord(events.e[i], stream.s), "cudaEventRecord");
+  };
+  auto mark_backward = [&](size_t i, bool timed) {
+    if (timed) check(cudaEventRecord(backward_events.e[i], stream.s), "cudaEventRecord");
   };
   auto view = [&](const RankBuffers& b) {
     return cuda::ScheduleView{El, cap, b.offsets.get(), b.src_rank.get(), b.src_slot.get()};
@@ -373,11 +507,194 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
     check(cudaStreamSynchronize(stream.s), "forward");
   };
 
+  // ---- The backward: reuses the forward's schedules, x rows, g|u and h ----
+  auto backward = [&](bool timed) {
+    // Outputs poisoned (0xff bytes are NaN in bf16 and fp32).
+    for (RankBuffers& b : ranks) {
+      check(cudaMemsetAsync(b.dx_slots.get(), 0xff, b.dx_slots.bytes(), stream.s), "poison dx slots");
+      check(cudaMemsetAsync(b.d_topk_w.get(), 0xff, b.d_topk_w.bytes(), stream.s), "poison d topk_w");
+      check(cudaMemsetAsync(b.dx.get(), 0xff, b.dx.bytes(), stream.s), "poison dx");
+      check(cudaMemsetAsync(b.d_gate.get(), 0xff, b.d_gate.bytes(), stream.s), "poison dW_gate");
+      check(cudaMemsetAsync(b.d_up.get(), 0xff, b.d_up.bytes(), stream.s), "poison dW_up");
+      check(cudaMemsetAsync(b.d_down.get(), 0xff, b.d_down.bytes(), stream.s), "poison dW_down");
+      if (d.has_shared()) {
+        check(cudaMemsetAsync(b.shared_d_gate.get(), 0xff, b.shared_d_gate.bytes(), stream.s), "poison shared dW");
+        check(cudaMemsetAsync(b.shared_d_up.get(), 0xff, b.shared_d_up.bytes(), stream.s), "poison shared dW");
+        check(cudaMemsetAsync(b.shared_d_down.get(), 0xff, b.shared_d_down.bytes(), stream.s), "poison shared dW");
+      }
+    }
+    mark_backward(0, timed);
+    for (RankBuffers& b : ranks) {  // dy rows (unscaled) and each row's router weight
+      cuda::GatherArgs g;
+      g.shape = shape;
+      g.hidden = H;
+      g.schedule = view(b);
+      g.x = dy_ptrs.data();
+      g.rows = b.dy_rows.get();
+      g.topk_w = w_ptrs.data();
+      g.row_weights = b.row_weights.get();
+      cuda::gather_rows(g, stream.s);
+    }
+    mark_backward(1, timed);
+    for (RankBuffers& b : ranks) {
+      cuda::ExpertsBackwardArgs e;
+      e.row_capacity = cap;
+      e.hidden = H;
+      e.intermediate = I;
+      e.local_experts = El;
+      e.expert_offsets = b.offsets.get();
+      e.x = b.x_rows.get();
+      e.gu = b.gu.get();
+      e.h = b.h.get();
+      e.dy = b.dy_rows.get();
+      e.row_weight = b.row_weights.get();
+      e.w_gate = b.w_gate.get();
+      e.w_up = b.w_up.get();
+      e.w_down = b.w_down.get();
+      e.dgu = dgu.get();
+      e.hw = hw.get();
+      e.dw_partial = dw_partial.get();
+      e.dx = b.dx_rows.get();
+      e.d_row_weight = b.d_row_weight.get();
+      e.d_w_gate = b.d_gate.get();
+      e.d_w_up = b.d_up.get();
+      e.d_w_down = b.d_down.get();
+      e.swiglu_limit = d.swiglu_limit;
+      e.status = b.backward_status.get();
+      cuda::experts_backward(e, stream.s);
+    }
+    mark_backward(2, timed);
+    for (RankBuffers& b : ranks) {
+      cuda::ScatterArgs s;
+      s.shape = shape;
+      s.hidden = H;
+      s.schedule = view(b);
+      s.rows = b.dx_rows.get();
+      s.slots = dx_slot_ptrs.data();
+      cuda::scatter_rows(s, stream.s);
+      cuda::ScatterValuesArgs v;
+      v.shape = shape;
+      v.schedule = view(b);
+      v.values = b.d_row_weight.get();
+      v.slot_values = d_topk_w_ptrs.data();
+      cuda::scatter_row_values(v, stream.s);
+    }
+    mark_backward(3, timed);
+    if (d.has_shared()) {
+      for (RankBuffers& b : ranks) {
+        cuda::ExpertsBackwardArgs e;
+        e.row_capacity = Tpad;
+        e.hidden = H;
+        e.intermediate = Is;
+        e.local_experts = 1;
+        e.expert_offsets = b.shared_offsets.get();
+        e.x = b.x.get();
+        e.gu = b.shared_gu.get();
+        e.h = b.shared_h.get();
+        e.dy = b.dy.get();
+        e.row_weight = shared_row_weight.get();
+        e.w_gate = s_gate.get();
+        e.w_up = s_up.get();
+        e.w_down = s_down.get();
+        e.dgu = shared_dgu.get();
+        e.hw = shared_hw.get();
+        e.dw_partial = shared_dw_partial.get();
+        e.dx = b.dx_shared.get();
+        e.d_row_weight = shared_d_row_weight.get();
+        e.d_w_gate = b.shared_d_gate.get();
+        e.d_w_up = b.shared_d_up.get();
+        e.d_w_down = b.shared_d_down.get();
+        e.swiglu_limit = d.swiglu_limit;
+        e.status = b.shared_backward_status.get();
+        cuda::experts_backward(e, stream.s);
+      }
+    }
+    mark_backward(4, timed);
+    for (RankBuffers& b : ranks) {
+      cuda::DispatchGradArgs g;
+      g.tokens = T;
+      g.hidden = H;
+      g.topk = k;
+      g.dx_shared = d.has_shared() ? b.dx_shared.get() : nullptr;
+      g.slots = b.dx_slots.get();
+      g.dx = b.dx.get();
+      cuda::dispatch_grad_epilogue(g, stream.s);
+    }
+    mark_backward(5, timed);
+    check(cudaStreamSynchronize(stream.s), "backward");
+  };
+
+  // Every output of one run, as floats (bf16 widened exactly, so bit comparisons stay exact).
+  struct RunOutputs {
+    std::vector<std::vector<float>> y;
+    ref::LayerGrads<float> grads;
+  };
+  auto download_bf16 = [](const uint16_t* src, size_t n, const char* what) {
+    std::vector<uint16_t> bits(n);
+    if (n > 0) check(cudaMemcpy(bits.data(), src, n * 2, cudaMemcpyDeviceToHost), what);
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) f[i] = bf16_to_float(bf16{bits[i]});
+    return f;
+  };
+  auto download_f32 = [](std::vector<float>& dst, const float* src, size_t n, const char* what) {
+    const size_t at = dst.size();
+    dst.resize(at + n);
+    if (n > 0) check(cudaMemcpy(dst.data() + at, src, n * 4, cudaMemcpyDeviceToHost), what);
+  };
+  auto download = [&]() {
+    RunOutputs o;
+    for (const RankBuffers& b : ranks) {
+      o.y.push_back(download_bf16(b.y.get(), sT * sH, "download y"));
+      o.grads.dx.push_back(download_bf16(b.dx.get(), sT * sH, "download dx"));
+      o.grads.d_topk_w.emplace_back();
+      download_f32(o.grads.d_topk_w.back(), b.d_topk_w.get(), sT * sk, "download d topk_w");
+      // Destination rank r holds global experts [r*El, (r+1)*El): appended in rank order.
+      download_f32(o.grads.d_routed.gate, b.d_gate.get(), b.d_gate.size(), "download dW_gate");
+      download_f32(o.grads.d_routed.up, b.d_up.get(), b.d_up.size(), "download dW_up");
+      download_f32(o.grads.d_routed.down, b.d_down.get(), b.d_down.size(), "download dW_down");
+      o.grads.d_shared.emplace_back();
+      if (d.has_shared()) {
+        auto& s = o.grads.d_shared.back();
+        download_f32(s.gate, b.shared_d_gate.get(), b.shared_d_gate.size(), "download shared dW_gate");
+        download_f32(s.up, b.shared_d_up.get(), b.shared_d_up.size(), "download shared dW_up");
+        download_f32(s.down, b.shared_d_down.get(), b.shared_d_down.size(), "download shared dW_down");
+      }
+    }
+    return o;
+  };
+  // "" when b equals a bit for bit, else the first differing tensor and index.
+  auto bit_difference = [&](const RunOutputs& a, const RunOutputs& b) -> std::string {
+    auto first = [](const std::string& name, const std::vector<float>& x, const std::vector<float>& y) {
+      const int64_t at = first_bit_difference(x, y);
+      return at < 0 ? std::string() : name + " differs at index " + std::to_string(at);
+    };
+    for (int64_t r = 0; r < R; ++r) {
+      const size_t i = static_cast<size_t>(r);
+      const std::string of = " of rank " + std::to_string(r);
+      for (const std::string& why :
+           {first("y" + of, a.y[i], b.y[i]), first("dx" + of, a.grads.dx[i], b.grads.dx[i]),
+            first("d_topk_w" + of, a.grads.d_topk_w[i], b.grads.d_topk_w[i]),
+            first("shared dW_gate" + of, a.grads.d_shared[i].gate, b.grads.d_shared[i].gate),
+            first("shared dW_up" + of, a.grads.d_shared[i].up, b.grads.d_shared[i].up),
+            first("shared dW_down" + of, a.grads.d_shared[i].down, b.grads.d_shared[i].down)}) {
+        if (!why.empty()) return why;
+      }
+    }
+    for (const std::string& why : {first("dW_gate", a.grads.d_routed.gate, b.grads.d_routed.gate),
+                                   first("dW_up", a.grads.d_routed.up, b.grads.d_routed.up),
+                                   first("dW_down", a.grads.d_routed.down, b.grads.d_routed.down)}) {
+      if (!why.empty()) return why;
+    }
+    return "";
+  };
+
   forward(/*timed=*/false);  // warm-up: module loading, kernel attributes
-  std::vector<std::vector<double>> stage_ms(stages.size());
-  std::vector<std::vector<uint16_t>> first_y;
+  backward(/*timed=*/false);
+  std::vector<std::vector<double>> stage_ms(stages.size()), backward_stage_ms(backward_stages.size());
+  RunOutputs first_run;
   for (int64_t run = 0; run < runs; ++run) {
     forward(/*timed=*/true);
+    backward(/*timed=*/true);
     float ms = 0;
     check(cudaEventElapsedTime(&ms, events.e.front(), events.e.back()), "cudaEventElapsedTime");
     out.forward_ms.push_back(ms);
@@ -385,32 +702,23 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
       check(cudaEventElapsedTime(&ms, events.e[i], events.e[i + 1]), "cudaEventElapsedTime");
       stage_ms[i].push_back(ms);
     }
-    std::vector<std::vector<uint16_t>> y(static_cast<size_t>(R), std::vector<uint16_t>(sT * sH));
-    for (int64_t r = 0; r < R; ++r) {
-      if (T > 0) {
-        check(cudaMemcpy(y[static_cast<size_t>(r)].data(), ranks[static_cast<size_t>(r)].y.get(), sT * sH * 2,
-                         cudaMemcpyDeviceToHost),
-              "download y");
-      }
+    check(cudaEventElapsedTime(&ms, backward_events.e.front(), backward_events.e.back()), "cudaEventElapsedTime");
+    out.backward_ms.push_back(ms);
+    for (size_t i = 0; i < backward_stages.size(); ++i) {
+      check(cudaEventElapsedTime(&ms, backward_events.e[i], backward_events.e[i + 1]), "cudaEventElapsedTime");
+      backward_stage_ms[i].push_back(ms);
     }
+    RunOutputs o = download();
     if (run == 0) {
-      first_y = std::move(y);
+      first_run = std::move(o);
       continue;
     }
-    bool same = true;
-    for (int64_t r = 0; r < R && same; ++r) {
-      const auto& a = y[static_cast<size_t>(r)];
-      const auto& f = first_y[static_cast<size_t>(r)];
-      const auto at = std::mismatch(a.begin(), a.end(), f.begin());
-      if (at.first != a.end()) {
-        same = false;
-        if (out.first_difference.empty()) {
-          out.first_difference = "y of rank " + std::to_string(r) + " differs at index " +
-                                 std::to_string(at.first - a.begin()) + " in run " + std::to_string(run + 1);
-        }
-      }
+    const std::string why = bit_difference(o, first_run);
+    if (why.empty()) {
+      ++out.identical_runs;
+    } else if (out.first_difference.empty()) {
+      out.first_difference = why + " in run " + std::to_string(run + 1);
     }
-    out.identical_runs += same ? 1 : 0;
   }
 
   // ---- Statuses: any bad id or malformed offsets is an error, never a silent result ----
@@ -426,6 +734,12 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
       throw std::runtime_error("backend cuda: routed experts of rank " + std::to_string(r) + ": " +
                                cuda::status_message(status));
     }
+    check(cudaMemcpy(&status, b.backward_status.get(), sizeof status, cudaMemcpyDeviceToHost),
+          "read backward status");
+    if (status != 0) {
+      throw std::runtime_error("backend cuda: routed experts backward of rank " + std::to_string(r) + ": " +
+                               cuda::status_message(status));
+    }
     if (d.has_shared()) {
       check(cudaMemcpy(&status, b.shared_status.get(), sizeof status, cudaMemcpyDeviceToHost),
             "read shared status");
@@ -433,19 +747,28 @@ CudaForward cuda_layer_forward(const ref::LayerInputs<float>& in, int64_t runs) 
         throw std::runtime_error("backend cuda: shared expert of rank " + std::to_string(r) + ": " +
                                  cuda::status_message(status));
       }
+      check(cudaMemcpy(&status, b.shared_backward_status.get(), sizeof status, cudaMemcpyDeviceToHost),
+            "read shared backward status");
+      if (status != 0) {
+        throw std::runtime_error("backend cuda: shared expert backward of rank " + std::to_string(r) + ": " +
+                                 cuda::status_message(status));
+      }
     }
   }
 
-  for (const auto& y : first_y) {
-    std::vector<float> f(y.size());
-    for (size_t i = 0; i < y.size(); ++i) f[i] = bf16_to_float(bf16{y[i]});
-    out.y.push_back(std::move(f));
-  }
-  for (size_t i = 0; i < stages.size(); ++i) {
-    std::vector<double> v = stage_ms[i];
-    std::sort(v.begin(), v.end());
-    out.stage_ms.emplace_back(stages[i], v[v.size() / 2]);
-  }
+  out.y = std::move(first_run.y);
+  out.grads = std::move(first_run.grads);
+  auto medians = [](const std::vector<std::string>& names, const std::vector<std::vector<double>>& ms) {
+    std::vector<std::pair<std::string, double>> m;
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::vector<double> v = ms[i];
+      std::sort(v.begin(), v.end());
+      m.emplace_back(names[i], v[v.size() / 2]);
+    }
+    return m;
+  };
+  out.forward_stage_ms = medians(stages, stage_ms);
+  out.backward_stage_ms = medians(backward_stages, backward_stage_ms);
   return out;
 }
 
