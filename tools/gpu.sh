@@ -86,22 +86,27 @@ if has sanitize; then
 fi
 
 if has bench_experts; then
-  python3 -m bench.run --cases experts_1gpu --passes forward --out "$LOGS/experts_1gpu_h200.json" \
-    --time-budget-s "${MOK_BENCH_BUDGET:-200}" > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
+  timeout --kill-after=20 $(( ${MOK_BENCH_BUDGET:-200} + 120 )) python3 -m bench.run --cases experts_1gpu \
+    --passes forward --out "$LOGS/experts_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
+    > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/experts_1gpu_h200.json" >> "$LOGS/experts_1gpu_h200.log" 2>&1 || true
   log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"
 fi
 
 if has bench_1gpu; then
-  python3 -m bench.run --cases baselines_1gpu --out "$LOGS/baselines_1gpu_h200.json" \
-    --time-budget-s "${MOK_BENCH_BUDGET:-200}" > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
+  timeout --kill-after=20 $(( ${MOK_BENCH_BUDGET:-200} + 120 )) python3 -m bench.run --cases baselines_1gpu \
+    --out "$LOGS/baselines_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
+    > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/baselines_1gpu_h200.json" >> "$LOGS/baselines_1gpu_h200.log" 2>&1 || true
   log "bench 1gpu done"; tail -5 "$LOGS/baselines_1gpu_h200.log"
 fi
 
 if has bench_2gpu; then
-  torchrun --standalone --nproc-per-node=2 -m bench.run --cases baselines_2gpu --out "$LOGS/baselines_2gpu_h200.json" \
-    --time-budget-s "${MOK_BENCH_BUDGET:-330}" > "$LOGS/baselines_2gpu_h200.log" 2>&1 || status=1
+  # A hard timeout on top of the harness's own budget: a stuck collective must not eat the call.
+  budget="${MOK_BENCH_BUDGET:-330}"
+  timeout --kill-after=20 $((budget + 150)) torchrun --standalone --nproc-per-node=2 -m bench.run \
+    --cases baselines_2gpu --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
+    > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
   log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
 fi
