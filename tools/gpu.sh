@@ -44,11 +44,16 @@ if has sass; then
 fi
 
 if has tests; then
-  if "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then log "gpu tests ok"; else status=1; log "gpu tests FAILED"; fi
+  # Hard timeouts everywhere a kernel runs: a deadlocked pipeline must end the step, not the call.
+  if timeout --kill-after=10 "${MOK_TEST_TIMEOUT:-240}" "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then
+    log "gpu tests ok"
+  else
+    status=1; log "gpu tests FAILED (exit $?; 124 = timed out)"
+  fi
   grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
   # `mok run` on the GPU (every rank emulated on one device): each run must exit 0 and end in PASS.
   while read -r run_args; do
-    out="$("$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?
+    out="$(timeout --kill-after=10 120 "$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?
     printf '$ mok run --backend cuda %s\n%s\n\n' "$run_args" "$out" >> "$LOGS/mok_run_cuda.log"
     if [ "$rc" -eq 0 ] && [ "$(printf '%s\n' "$out" | tail -1)" = "PASS" ]; then
       log "mok run --backend cuda $run_args: PASS"
@@ -67,16 +72,16 @@ RUNS
 fi
 
 if has timing; then
-  "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
+  timeout --kill-after=10 180 "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
   log "timing:"; cat "$LOGS/timing.log" | tee -a "$LOGS/summary.txt"
 fi
 
 if has sanitize; then
   for tool in memcheck racecheck; do
-    if compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
+    if timeout --kill-after=10 180 compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
          --gtest_filter='*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
          > "$LOGS/sanitize_$tool.log" 2>&1 &&
-       compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
+       timeout --kill-after=10 120 compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
          --tokens 130 --runs 1 >> "$LOGS/sanitize_$tool.log" 2>&1; then
       log "compute-sanitizer $tool clean"
     else
