@@ -4,5 +4,6 @@
 # against the fp64 reference and prints a timing table. Extra arguments go to `mok run`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+bash "$MOK_ROOT/tools/setup.sh" --build-only
 bash "$MOK_ROOT/tools/build.sh" >/dev/null
 exec "$MOK_BUILD/mok" run --preset small --ranks 2 --tokens 256 "$@"

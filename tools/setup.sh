@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what building and testing MoK needs on a fresh Debian machine (CI's kind):
-# the C++ toolchain and GoogleTest from Debian, and a Python environment with PyTorch (pinned to
-# the GPU machine's 2.11), the CUTLASS/CuTe headers (nvidia-cutlass wheel, pinned) and pytest.
+# Installs what building and testing MoK needs on a fresh Debian machine (CI's kind): the C++
+# toolchain and GoogleTest from Debian, the CUTLASS/CuTe headers (pinned nvidia-cutlass wheel) when
+# nvcc is there, and (unless --build-only) a Python environment with PyTorch (pinned to the GPU
+# machine's 2.11) and pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -23,21 +24,36 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
 fi
 
+# CUTLASS/CuTe headers for the sm_90a kernels, from the pinned nvidia-cutlass wheel (downloaded,
+# not installed: only its headers are used) into .deps/ (ignored by git; the GPU script carries it).
+CUTLASS_WHEEL="nvidia-cutlass==4.2.0.0"
+if command -v nvcc >/dev/null && [ ! -f "$MOK_ROOT/.deps/cutlass/include/cute/tensor.hpp" ]; then
+  echo "setup: fetching the CUTLASS headers ($CUTLASS_WHEEL)"
+  rm -rf "$MOK_ROOT/.deps/wheels" "$MOK_ROOT/.deps/cutlass"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: "$CUTLASS_WHEEL" \
+    -d "$MOK_ROOT/.deps/wheels"
+  python3 - "$MOK_ROOT" <<'PY'
+import pathlib, sys, zipfile
+root = pathlib.Path(sys.argv[1])
+wheel = next((root / ".deps" / "wheels").glob("nvidia_cutlass-*.whl"))
+prefix = "cutlass_library/source/include/"
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = root / ".deps" / "cutlass" / "include" / name[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(name))
+PY
+fi
+
+# The Python environment (tests, benchmarks, the package); `--build-only` skips it.
+[ "${1:-}" = "--build-only" ] && exit 0
 if [ ! -x "$MOK_VENV/bin/python" ]; then
   echo "setup: creating the Python environment at $MOK_VENV"
   python3 -m venv "$MOK_VENV"
 fi
-if ! "$MOK_VENV/bin/python" -c "import torch, numpy, pytest, matplotlib, tqdm, cutlass_library" 2>/dev/null; then
+if ! "$MOK_VENV/bin/python" -c "import torch, numpy, pytest, matplotlib, tqdm, pybind11" 2>/dev/null; then
   echo "setup: installing Python packages into $MOK_VENV (PyTorch is a large download, once)"
   "$MOK_VENV/bin/pip" install -q --disable-pip-version-check -r "$MOK_ROOT/requirements.txt"
 fi
 
-# CUTLASS/CuTe headers for the sm_90a kernels, from the pinned nvidia-cutlass wheel, into .deps/
-# (ignored by git; the GPU script carries it to the device machine).
-if command -v nvcc >/dev/null && [ ! -f "$MOK_ROOT/.deps/cutlass/include/cute/tensor.hpp" ]; then
-  src="$("$MOK_VENV/bin/python" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')"
-  echo "setup: copying CUTLASS headers from $src"
-  mkdir -p "$MOK_ROOT/.deps/cutlass"
-  rm -rf "$MOK_ROOT/.deps/cutlass/include"
-  cp -r "$src" "$MOK_ROOT/.deps/cutlass/include"
-fi
