@@ -13,11 +13,15 @@
 #include "mok/core/problem.h"
 #include "mok/core/reference.h"
 #include "mok/cuda/expert_kernels.h"
+#include "gpu_test_util.h"
 
 namespace mok {
 namespace {
 
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+using test::DeviceBuffer;
+using test::from_bits;
+using test::random_bf16;
+using test::to_bits;
 
 struct Case {
   std::string name;
@@ -26,40 +30,6 @@ struct Case {
   std::optional<float> limit;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-template <class T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    if (cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void upload(const std::vector<T>& v) { cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice); }
-  std::vector<T> download() const {
-    std::vector<T> v(n);
-    cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-  void poison() { cudaMemset(ptr, 0xff, std::max<size_t>(n, 1) * sizeof(T)); }  // bf16 0xffff is NaN
-};
-
-std::vector<uint16_t> to_bits(const std::vector<float>& v) {
-  std::vector<uint16_t> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]).bits;
-  return out;
-}
-std::vector<float> from_bits(const std::vector<uint16_t>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(bf16{v[i]});
-  return out;
-}
-
-std::vector<float> random_bf16(Rng& rng, int64_t n, double scale) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = round_to_bf16(static_cast<float>(rng.normal() * scale));
-  return v;
-}
 
 class ExpertKernels : public ::testing::TestWithParam<Case> {};
 

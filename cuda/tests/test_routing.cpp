@@ -22,36 +22,18 @@
 #include "mok/core/reference.h"
 #include "mok/core/schedule.h"
 #include "mok/cuda/routing.h"
+#include "gpu_test_util.h"
 
 namespace mok {
 namespace {
 
-#define CUDA_OK(expr) \
-  ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
+using test::DeviceBuffer;
+using test::from_bits;
+using test::random_bf16;
+using test::to_bits;
 
 constexpr int kRuns = 5;
 constexpr int64_t kGuard = 64;  // extra entries past every output, which must stay poisoned
-
-template <class T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    if (cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr), n(o.n) { o.ptr = nullptr; }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void upload(const std::vector<T>& v) {
-    if (!v.empty()) cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  std::vector<T> download() const {
-    std::vector<T> v(n);
-    if (n > 0) cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-  void poison(int byte) { cudaMemset(ptr, byte, std::max<size_t>(n, 1) * sizeof(T)); }
-};
 
 template <class T>
 uint64_t bits_of(T v) {
@@ -100,22 +82,6 @@ template <class T>
 int32_t poison_i32() {
   int32_t v;
   std::memset(&v, 0x7f, sizeof v);
-  return v;
-}
-
-std::vector<uint16_t> to_bits(const std::vector<float>& v) {
-  std::vector<uint16_t> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]).bits;
-  return out;
-}
-std::vector<float> from_bits(const std::vector<uint16_t>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(bf16{v[i]});
-  return out;
-}
-std::vector<float> random_bf16(Rng& rng, int64_t n, double scale = 1.0) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = round_to_bf16(static_cast<float>(rng.normal() * scale));
   return v;
 }
 
