@@ -130,6 +130,43 @@ struct Events {
   }
 };
 
+// The stages of one pass, timed with an event after each: per run the pass's total and every
+// stage's time, and at the end each stage's median.
+class StageTimer {
+ public:
+  explicit StageTimer(std::vector<std::string> names)
+      : names_(std::move(names)), events_(names_.size() + 1), ms_(names_.size()) {}
+
+  // Event i opens stage i (the last one closes the pass); nothing is recorded when untimed.
+  void mark(size_t i, bool timed, cudaStream_t stream) {
+    if (timed) check(cudaEventRecord(events_.e[i], stream), "cudaEventRecord");
+  }
+  // After the pass has finished: keeps each stage's time and returns the pass's.
+  double collect() {
+    float ms = 0;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      check(cudaEventElapsedTime(&ms, events_.e[i], events_.e[i + 1]), "cudaEventElapsedTime");
+      ms_[i].push_back(ms);
+    }
+    check(cudaEventElapsedTime(&ms, events_.e.front(), events_.e.back()), "cudaEventElapsedTime");
+    return ms;
+  }
+  std::vector<std::pair<std::string, double>> medians() const {
+    std::vector<std::pair<std::string, double>> m;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      std::vector<double> v = ms_[i];
+      std::sort(v.begin(), v.end());
+      m.emplace_back(names_[i], v[v.size() / 2]);
+    }
+    return m;
+  }
+
+ private:
+  std::vector<std::string> names_;
+  Events events_;
+  std::vector<std::vector<double>> ms_;
+};
+
 struct Stream {
   cudaStream_t s = nullptr;
   Stream() { check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
@@ -407,15 +444,10 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
   }
 
   // ---- The forward: one stage over all ranks at a time, an event after each stage ----
-  const std::vector<std::string> stages{"schedule", "dispatch", "experts", "combine", "shared", "epilogue"};
-  const std::vector<std::string> backward_stages{"dispatch dy", "experts", "scatter dx", "shared", "epilogue"};
-  Events events(stages.size() + 1), backward_events(backward_stages.size() + 1);
-  auto mark = [&](size_t i, bool timed) {
-    if (timed) check(cudaEventRecord(events.e[i], stream.s), "cudaEventRecord");
-  };
-  auto mark_backward = [&](size_t i, bool timed) {
-    if (timed) check(cudaEventRecord(backward_events.e[i], stream.s), "cudaEventRecord");
-  };
+  StageTimer forward_timer({"schedule", "dispatch", "experts", "combine", "shared", "epilogue"});
+  StageTimer backward_timer({"dispatch dy", "experts", "scatter dx", "shared", "epilogue"});
+  auto mark = [&](size_t i, bool timed) { forward_timer.mark(i, timed, stream.s); };
+  auto mark_backward = [&](size_t i, bool timed) { backward_timer.mark(i, timed, stream.s); };
   auto view = [&](const RankBuffers& b) {
     return cuda::ScheduleView{El, cap, b.offsets.get(), b.src_rank.get(), b.src_slot.get()};
   };
@@ -690,24 +722,12 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
 
   forward(/*timed=*/false);  // warm-up: module loading, kernel attributes
   backward(/*timed=*/false);
-  std::vector<std::vector<double>> stage_ms(stages.size()), backward_stage_ms(backward_stages.size());
   RunOutputs first_run;
   for (int64_t run = 0; run < runs; ++run) {
     forward(/*timed=*/true);
     backward(/*timed=*/true);
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, events.e.front(), events.e.back()), "cudaEventElapsedTime");
-    out.forward_ms.push_back(ms);
-    for (size_t i = 0; i < stages.size(); ++i) {
-      check(cudaEventElapsedTime(&ms, events.e[i], events.e[i + 1]), "cudaEventElapsedTime");
-      stage_ms[i].push_back(ms);
-    }
-    check(cudaEventElapsedTime(&ms, backward_events.e.front(), backward_events.e.back()), "cudaEventElapsedTime");
-    out.backward_ms.push_back(ms);
-    for (size_t i = 0; i < backward_stages.size(); ++i) {
-      check(cudaEventElapsedTime(&ms, backward_events.e[i], backward_events.e[i + 1]), "cudaEventElapsedTime");
-      backward_stage_ms[i].push_back(ms);
-    }
+    out.forward_ms.push_back(forward_timer.collect());
+    out.backward_ms.push_back(backward_timer.collect());
     RunOutputs o = download();
     if (run == 0) {
       first_run = std::move(o);
@@ -758,17 +778,8 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
 
   out.y = std::move(first_run.y);
   out.grads = std::move(first_run.grads);
-  auto medians = [](const std::vector<std::string>& names, const std::vector<std::vector<double>>& ms) {
-    std::vector<std::pair<std::string, double>> m;
-    for (size_t i = 0; i < names.size(); ++i) {
-      std::vector<double> v = ms[i];
-      std::sort(v.begin(), v.end());
-      m.emplace_back(names[i], v[v.size() / 2]);
-    }
-    return m;
-  };
-  out.forward_stage_ms = medians(stages, stage_ms);
-  out.backward_stage_ms = medians(backward_stages, backward_stage_ms);
+  out.forward_stage_ms = forward_timer.medians();
+  out.backward_stage_ms = backward_timer.medians();
   return out;
 }
 
