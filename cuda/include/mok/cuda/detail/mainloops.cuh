@@ -144,17 +144,11 @@ struct BackwardMainloop {
     copy(p.tma_a.with(bar), tAg(_, t.m_block, k_in_plane, plane), tAs(_, stage));
     Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
     const int l = p.b_by_expert ? t.expert : 0;
-    if (plane == 0) {
-      Tensor mB = p.tma_b0.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
-      Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));  // (BN, BK, n, k, l)
-      auto [tBg, tBs] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
-      copy(p.tma_b0.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
-    } else {
-      Tensor mB = p.tma_b1.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
-      Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));
-      auto [tBg, tBs] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
-      copy(p.tma_b1.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
-    }
+    const auto& tma_b = plane == 0 ? p.tma_b0 : p.tma_b1;  // the two descriptors differ only in their tensor
+    Tensor mB = tma_b.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
+    Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));  // (BN, BK, n, k, l)
+    auto [tBg, tBs] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    copy(tma_b.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
   }
 };
 
