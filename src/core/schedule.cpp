@@ -31,22 +31,27 @@ int64_t schedule_capacity_rows(const MoeDesc& desc, int64_t pad_to) {
   return real + desc.local_experts() * (pad_to - 1);
 }
 
-RankSchedule build_rank_schedule(const MoeDesc& desc, int64_t dest_rank,
-                                 std::span<const int32_t* const> topk_idx, int64_t pad_to) {
+namespace {
+
+// Checks what every destination's schedule relies on: the descriptor, R routings, the ids.
+void validate_schedule_inputs(const MoeDesc& desc, std::span<const int32_t* const> topk_idx, int64_t pad_to) {
   desc.validate();
-  MOK_REQUIRE(dest_rank >= 0 && dest_rank < desc.ranks, "dest_rank must be in [0, ", desc.ranks,
-              "), got ", dest_rank);
   MOK_REQUIRE(static_cast<int64_t>(topk_idx.size()) == desc.ranks, "routing of ", topk_idx.size(),
               " ranks given, expected ranks=", desc.ranks);
   MOK_REQUIRE(pad_to >= 1, "pad_to must be >= 1, got ", pad_to);
-  const int64_t El = desc.local_experts();
   const int64_t slots = desc.routed_slots();
-  const int64_t first = dest_rank * El;
   for (int64_t r = 0; r < desc.ranks; ++r) {
     MOK_REQUIRE(slots == 0 || topk_idx[r] != nullptr, "topk_idx of rank ", r, " is null");
     validate_routing(desc, r, std::span<const int32_t>(topk_idx[r], static_cast<size_t>(slots)));
   }
+}
 
+// The schedule of one destination from validated inputs.
+RankSchedule build_validated(const MoeDesc& desc, int64_t dest_rank, std::span<const int32_t* const> topk_idx,
+                             int64_t pad_to) {
+  const int64_t El = desc.local_experts();
+  const int64_t slots = desc.routed_slots();
+  const int64_t first = dest_rank * El;
   RankSchedule s;
   s.rank = dest_rank;
   s.pad_to = pad_to;
@@ -78,11 +83,22 @@ RankSchedule build_rank_schedule(const MoeDesc& desc, int64_t dest_rank,
   return s;
 }
 
+}  // namespace
+
+RankSchedule build_rank_schedule(const MoeDesc& desc, int64_t dest_rank,
+                                 std::span<const int32_t* const> topk_idx, int64_t pad_to) {
+  validate_schedule_inputs(desc, topk_idx, pad_to);
+  MOK_REQUIRE(dest_rank >= 0 && dest_rank < desc.ranks, "dest_rank must be in [0, ", desc.ranks,
+              "), got ", dest_rank);
+  return build_validated(desc, dest_rank, topk_idx, pad_to);
+}
+
 std::vector<RankSchedule> build_schedules(const MoeDesc& desc, std::span<const int32_t* const> topk_idx,
                                           int64_t pad_to) {
+  validate_schedule_inputs(desc, topk_idx, pad_to);  // once, not once per destination
   std::vector<RankSchedule> out;
   out.reserve(static_cast<size_t>(desc.ranks));
-  for (int64_t d = 0; d < desc.ranks; ++d) out.push_back(build_rank_schedule(desc, d, topk_idx, pad_to));
+  for (int64_t d = 0; d < desc.ranks; ++d) out.push_back(build_validated(desc, d, topk_idx, pad_to));
   return out;
 }
 
