@@ -5,8 +5,10 @@
 - ``nvlink_read_gbps`` / ``nvlink_write_gbps``: per direction, through torch symmetric memory. Every
   rank runs an SM copy kernel at the same time: read = from its neighbour's buffer into a local
   one, write = from a local buffer into the neighbour's. With every rank doing it, each link
-  direction carries one stream, so bytes / time is the per-direction rate. The copy-engine variants
-  (``cudaMemcpy`` through ``Tensor.copy_``) are recorded beside them. Null on one GPU.
+  direction carries one stream, so bytes / time is the per-direction rate. The kernel of record is
+  mok's copy on the raw peer addresses (``handle.buffer_ptrs``) where the library is built, else a
+  torch elementwise op; torch's and the copy engine's (``Tensor.copy_``) rates are recorded beside
+  it, each only if its data check passed. Null on one GPU.
 
 In smoke mode (CPU) only a quick matmul and memcpy rate are taken, marked ``measured_on: "cpu"``.
 """
@@ -53,8 +55,25 @@ def _copy_gbps(rt: Runtime, nbytes: int, warmup: int, iters: int) -> float:
     return 2.0 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, float]:
-    """Per-direction peer read/write rates; every rank reads from / writes to rank+1 at the same time."""
+def _mok_copy() -> Callable[[int, int, int], None] | None:
+    """The SM copy of mok's C API on raw device addresses, or None where the library is not built."""
+    try:
+        from .impls.mok_kernels import _cuda_kernels
+
+        return _cuda_kernels().copy_bytes
+    except Exception:
+        return None
+
+
+def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, Any]:
+    """Per-direction peer read/write rates; every rank reads from / writes to rank+1 at the same time.
+
+    Two SM paths: mok's copy kernel on the raw peer address from ``handle.buffer_ptrs`` (what the
+    megakernel uses; preferred where the library is built), and torch elementwise ops on
+    ``handle.get_buffer``. Each path is timed, then checked with a clean write: a path whose check
+    fails on any rank is dropped (its error recorded), and the verdict is agreed by all ranks before
+    anyone raises, so no rank waits in a collective the others skipped.
+    """
     import torch.distributed._symmetric_memory as symm_mem
 
     numel = NVLINK_BUFFER_BYTES // 2
@@ -65,38 +84,70 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, float]:
         pass
     symm_buf = symm_mem.empty(numel, dtype=torch.bfloat16, device=rt.device).fill_(rt.rank)
     handle = symm_mem.rendezvous(symm_buf, rt.group)
+    _KEEP_ALIVE.extend((symm_buf, handle))
     peer = (rt.rank + 1) % rt.world_size
+    left = (rt.rank - 1) % rt.world_size
     remote = handle.get_buffer(peer, (numel,), torch.bfloat16)
     local = torch.empty(numel, dtype=torch.bfloat16, device=rt.device).fill_(rt.rank)
+    peer_ptr = int(handle.buffer_ptrs[peer])
+    info: dict[str, Any] = {
+        "nvlink_pointers": {
+            "get_buffer_is_buffer_ptrs": remote.data_ptr() == peer_ptr,
+            "peer_ptr_is_local": peer_ptr == symm_buf.data_ptr(),
+        }
+    }
     rt.barrier()
 
     def rate(fn: Callable[[], object]) -> float:
         ms = _median_ms(rt, fn, warmup, iters, all_ranks=True)
         return NVLINK_BUFFER_BYTES / (ms * 1e-3) / 1e9
 
-    # SM kernels (an elementwise op cannot be turned into a cudaMemcpy): read pulls peer -> local,
-    # write pushes local -> peer.
-    result = {
-        "nvlink_read_gbps": rate(lambda: torch.neg(remote, out=local)),
-        "nvlink_write_gbps": rate(lambda: torch.neg(local, out=remote)),
-        "nvlink_read_gbps_copy_engine": rate(lambda: local.copy_(remote)),
-        "nvlink_write_gbps_copy_engine": rate(lambda: remote.copy_(local)),
-    }
-    # Data check on a clean write (the timed ops above negate back and forth): every rank writes
-    # its rank into its right neighbour's buffer; ours must then hold our left neighbour's rank.
-    # The verdict is agreed by all ranks before anyone raises, so no rank is left waiting in a
-    # collective the others skipped (a one-sided raise here once hung a whole run).
-    local.fill_(rt.rank)
-    rt.barrier()
-    remote.copy_(local)
-    rt.barrier()
-    left = (rt.rank - 1) % rt.world_size
-    seen = (float(symm_buf[0]), float(symm_buf[-1]))
-    all_ok = rt.all_min([1.0 if seen == (float(left), float(left)) else 0.0])[0]
-    if all_ok < 1.0:
-        raise RuntimeError(f"peer write check failed on some rank: this rank expected {left}, saw {seen}")
-    _KEEP_ALIVE.extend((symm_buf, handle))
-    return result
+    def write_check(write: Callable[[], object]) -> tuple[bool, tuple[float, float]]:
+        # Every rank writes its rank into its right neighbour's buffer; ours must then hold our
+        # left neighbour's rank. Agreed by all ranks.
+        symm_buf.fill_(-1.0)
+        local.fill_(rt.rank)
+        rt.barrier()
+        write()
+        torch.cuda.synchronize()
+        rt.barrier()
+        seen = (float(symm_buf[0]), float(symm_buf[-1]))
+        ok = rt.all_min([1.0 if seen == (float(left), float(left)) else 0.0])[0] >= 1.0
+        return ok, seen
+
+    paths: dict[str, dict[str, Callable[[], object]]] = {}
+    copy = _mok_copy()
+    if copy is not None:
+        paths["mok_copy"] = {
+            "read": lambda: copy(local.data_ptr(), peer_ptr, NVLINK_BUFFER_BYTES),
+            "write": lambda: copy(peer_ptr, local.data_ptr(), NVLINK_BUFFER_BYTES),
+        }
+    # Elementwise ops (an SM kernel; a copy_ would be a cudaMemcpy): read pulls, write pushes.
+    paths["torch"] = {"read": lambda: torch.neg(remote, out=local), "write": lambda: torch.neg(local, out=remote)}
+    paths["copy_engine"] = {"read": lambda: local.copy_(remote), "write": lambda: remote.copy_(local)}
+    # Which path every rank can use is agreed collectively: the same sequence of collectives on all.
+    have_copy = rt.all_min([1.0 if copy is not None else 0.0])[0] >= 1.0
+    if not have_copy:
+        paths.pop("mok_copy", None)
+    for name, fns in paths.items():
+        read, write = rate(fns["read"]), rate(fns["write"])
+        ok, seen = write_check(fns["write"])
+        if ok:
+            info[f"nvlink_read_gbps_{name}"] = read
+            info[f"nvlink_write_gbps_{name}"] = write
+        else:
+            info.setdefault("nvlink_path_errors", {})[name] = (
+                f"peer write check failed on some rank (this rank expected {left}, saw {seen}); "
+                f"timed {read:.0f}/{write:.0f} GB/s dropped")
+    for name in ("mok_copy", "torch"):  # the SM path of record: mok's kernel, else torch's
+        if f"nvlink_read_gbps_{name}" in info:
+            info["nvlink_read_gbps"] = info[f"nvlink_read_gbps_{name}"]
+            info["nvlink_write_gbps"] = info[f"nvlink_write_gbps_{name}"]
+            info["nvlink_path"] = name
+            break
+    else:
+        raise RuntimeError(f"no NVLink path passed its peer write check: {info.get('nvlink_path_errors')}")
+    return info
 
 
 def measure_ceilings(rt: Runtime, smoke: bool) -> dict[str, Any]:

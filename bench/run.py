@@ -472,7 +472,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iter-budget-s", type=float, default=None, help="timed seconds per (case, impl, pass) (default 1.0 GPU)")
     ap.add_argument("--symm-backend", choices=("auto", "CUDA", "NVSHMEM"), default="auto",
                     help="symmetric-memory backend: auto = NVSHMEM when symm_a2a will run and NVSHMEM is available")
-    ap.add_argument("--symm-workspace-gb", type=float, default=8.0,
+    ap.add_argument("--symm-workspace-gb", type=float, default=20.0,
                     help="most memory the symm_a2a send/recv buffers may take (allocated once, kept for the run)")
     ap.add_argument("--collective-timeout-s", type=float, default=240.0,
                     help="a collective that waits longer aborts the run (results so far are already written)")

@@ -92,7 +92,7 @@ fi
 
 if has bench_experts; then
   timeout --kill-after=20 $(( ${MOK_BENCH_BUDGET:-200} + 120 )) python3 -m bench.run --cases experts_1gpu \
-    --passes forward --out "$LOGS/experts_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
+    --passes forward,backward --out "$LOGS/experts_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/experts_1gpu_h200.json" >> "$LOGS/experts_1gpu_h200.log" 2>&1 || true
   log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"

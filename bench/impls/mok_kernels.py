@@ -116,12 +116,26 @@ def build_experts(problem: Any, ctx: BenchContext) -> Runner:
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
     gu = torch.empty(rows, 2 * I, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
+    # Backward: dy at the same padded rows, router weight 1 on real rows and 0 on padding rows (the
+    # experts case has no router), fp32 weight gradients.
+    dy_rows = torch.zeros(rows, H, dtype=torch.bfloat16, device=dev)
+    dy_rows[index] = p.d_y
+    row_weight = torch.zeros(rows, dtype=torch.float32, device=dev)
+    row_weight[index] = 1.0
+    grads = {name: torch.empty(shape, dtype=torch.float32, device=dev)
+             for name, shape in (("gate", (El, I, H)), ("up", (El, I, H)), ("down", (El, H, I)))}
+    dx = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
+    d_row_weight = torch.empty(rows, dtype=torch.float32, device=dev)
+    scratch = kernels.BackwardScratch(rows, I, dev)
 
     def forward() -> Any:
         kernels.experts_forward(x_rows, offsets, w_gate, w_up, w_down, h=h, y=y, gu=gu, swiglu_limit=p.swiglu_limit)
         return y
 
     def backward(state: Any) -> list[torch.Tensor | None]:
-        raise Skip("the backward expert kernels have not landed yet")
+        kernels.experts_backward(x_rows, offsets, gu, h, dy_rows, row_weight, w_gate, w_up, w_down, dx=dx,
+                                 d_row_weight=d_row_weight, d_w_gate=grads["gate"], d_w_up=grads["up"],
+                                 d_w_down=grads["down"], scratch=scratch, swiglu_limit=p.swiglu_limit)
+        return [dx[index], grads["gate"], grads["up"], grads["down"]]
 
     return Runner(forward=forward, output=lambda state: state[index], backward=backward)

@@ -363,4 +363,32 @@ void dispatch_grad_epilogue(const DispatchGradArgs& a, cudaStream_t stream) {
   launch_epilogue(false, p, a.num_sms, stream);
 }
 
+namespace {
+__global__ void copy_bytes_kernel(uint4* __restrict__ dst, const uint4* __restrict__ src, int64_t n) {
+  // Four independent 16-byte loads in flight per thread before their stores (peer reads are long).
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a;
+    dst[i + stride] = b;
+    dst[i + 2 * stride] = c;
+    dst[i + 3 * stride] = d;
+  }
+  for (; i < n; i += stride) dst[i] = src[i];
+}
+}  // namespace
+
+void copy_bytes(void* dst, const void* src, int64_t bytes, int blocks, cudaStream_t stream) {
+  const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (bytes < 0 || bytes % 16 != 0 || misaligned(dst) || misaligned(src)) {
+    throw std::invalid_argument("copy_bytes: pointers and byte count must be multiples of 16 (bytes = " +
+                                std::to_string(bytes) + ")");
+  }
+  if (bytes == 0) return;
+  const int grid = blocks > 0 ? blocks : 2 * device_sms(0);
+  copy_bytes_kernel<<<grid, 512, 0, stream>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16);
+  check(cudaGetLastError(), "copy_bytes launch");
+}
+
 }  // namespace mok::cuda

@@ -31,6 +31,14 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_experts_forward.restype = ctypes.c_int
     lib.mok_cuda_experts_forward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [
         ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_experts_backward.restype = ctypes.c_int
+    lib.mok_cuda_experts_backward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 17 + [
+        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_copy_bytes.restype = ctypes.c_int
+    lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_dw_partial_blocks.restype = ctypes.c_int64
+    lib.mok_cuda_dw_partial_blocks.argtypes = [ctypes.c_int64]
     lib.mok_cuda_row_align.restype = ctypes.c_int
     lib.mok_cuda_status_message.restype = ctypes.c_char_p
     lib.mok_cuda_status_message.argtypes = [ctypes.c_int]
@@ -81,5 +89,66 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
         rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(gu), _ptr(h), _ptr(y),
         int(swiglu_limit is not None), float(swiglu_limit or 0.0), _ptr(status),
         torch.cuda.current_stream().cuda_stream, which, error, len(error))
+    if rc != 0:
+        raise ValueError(error.value.decode())
+
+
+def _check_tensors(specs: tuple[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype], ...]) -> None:
+    for name, t, shape, dtype in specs:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+        if not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CUDA tensor")
+
+
+class BackwardScratch:
+    """The scratch rows of experts_backward (dg|du, w*h, d topk_w partials), allocated once per shape."""
+
+    def __init__(self, rows: int, intermediate: int, device: torch.device) -> None:
+        blocks = int(_lib().mok_cuda_dw_partial_blocks(intermediate))
+        self.dgu = torch.empty(rows, 2 * intermediate, dtype=torch.bfloat16, device=device)
+        self.hw = torch.empty(rows, intermediate, dtype=torch.bfloat16, device=device)
+        self.dw_partial = torch.empty(rows, blocks, dtype=torch.float32, device=device)
+
+
+def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
+                     dy: torch.Tensor, row_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                     w_down: torch.Tensor, *, dx: torch.Tensor, d_row_weight: torch.Tensor, d_w_gate: torch.Tensor,
+                     d_w_up: torch.Tensor, d_w_down: torch.Tensor, scratch: BackwardScratch,
+                     swiglu_limit: float | None = None, status: torch.Tensor | None = None) -> None:
+    """The backward of experts_forward on the same rows (row_weight: each row's router weight, 0 for
+    padding rows): dx, d row weight and fp32 weight gradients, in a fixed reduction order.
+    Asynchronous on the current stream."""
+    El, I, H = w_gate.shape
+    rows = x_rows.shape[0]
+    bf16, f32 = torch.bfloat16, torch.float32
+    _check_tensors((
+        ("x_rows", x_rows, (rows, H), bf16), ("gu", gu, (rows, 2 * I), bf16), ("h", h, (rows, I), bf16),
+        ("dy", dy, (rows, H), bf16), ("row_weight", row_weight, (rows,), f32),
+        ("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16), ("w_down", w_down, (El, H, I), bf16),
+        ("dx", dx, (rows, H), bf16), ("d_row_weight", d_row_weight, (rows,), f32),
+        ("d_w_gate", d_w_gate, (El, I, H), f32), ("d_w_up", d_w_up, (El, I, H), f32),
+        ("d_w_down", d_w_down, (El, H, I), f32), ("scratch.dgu", scratch.dgu, (rows, 2 * I), bf16),
+        ("scratch.hw", scratch.hw, (rows, I), bf16)))
+    if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or not offsets.is_cuda:
+        raise ValueError(f"offsets must be int32 [{El + 1}] on the GPU, got {offsets.dtype} {tuple(offsets.shape)}")
+    error = ctypes.create_string_buffer(512)
+    rc = _lib().mok_cuda_experts_backward(
+        rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(gu), _ptr(h), _ptr(dy), _ptr(row_weight), _ptr(w_gate),
+        _ptr(w_up), _ptr(w_down), _ptr(scratch.dgu), _ptr(scratch.hw), _ptr(scratch.dw_partial), _ptr(dx),
+        _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(swiglu_limit is not None),
+        float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream().cuda_stream, error, len(error))
+    if rc != 0:
+        raise ValueError(error.value.decode())
+
+
+def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int, blocks: int = 0) -> None:
+    """An SM copy between raw device addresses (either may be a peer's symmetric-memory address) on
+    the current stream; 16-byte aligned pointers and size. For the harness's NVLink ceilings."""
+    error = ctypes.create_string_buffer(256)
+    rc = _lib().mok_cuda_copy_bytes(dst_ptr, src_ptr, nbytes, blocks, torch.cuda.current_stream().cuda_stream,
+                                    error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())

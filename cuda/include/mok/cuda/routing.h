@@ -160,4 +160,9 @@ struct DispatchGradArgs {
 std::string can_implement(const DispatchGradArgs& args);
 void dispatch_grad_epilogue(const DispatchGradArgs& args, cudaStream_t stream);
 
+// ---- Raw copies (the NVLink ceilings of the benchmark harness: dst or src may be a peer address) ----
+// dst[0, bytes) = src[0, bytes) with 16-byte loads and stores by SMs (not the copy engine), on
+// `blocks` CTAs (0 = two per SM). Both pointers and `bytes` must be multiples of 16.
+void copy_bytes(void* dst, const void* src, int64_t bytes, int blocks, cudaStream_t stream);
+
 }  // namespace mok::cuda
