@@ -20,6 +20,18 @@ COMMIT="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export MOK_COMMIT="$COMMIT" MOK_CUDA_LIB="$BUILD/cuda/libmok_cuda_capi.so"
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 status=0
+# The device tool kills a call at 600 s and then brings nothing back: every step's timeout is cut
+# to what is left before MOK_DEADLINE_S (default 540 s after the start), and the logs are copied to
+# $OUT after each step.
+START_S=$(date +%s)
+DEADLINE_S=$(( START_S + ${MOK_DEADLINE_S:-540} ))
+left() { local l=$(( DEADLINE_S - $(date +%s) )); local want=$1; (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+publish() {
+  cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null
+  for f in "$LOGS"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" . 2>/dev/null
+}
+trap publish EXIT
 log() { echo "== $(date +%T) $*" | tee -a "$LOGS/summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -45,7 +57,7 @@ fi
 
 if has tests; then
   # Hard timeouts everywhere a kernel runs: a deadlocked pipeline must end the step, not the call.
-  if timeout --kill-after=10 "${MOK_TEST_TIMEOUT:-240}" "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then
+  if timeout --kill-after=10 "$(left "${MOK_TEST_TIMEOUT:-240}")" "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then
     log "gpu tests ok"
   else
     status=1; log "gpu tests FAILED (exit $?; 124 = timed out)"
@@ -53,7 +65,7 @@ if has tests; then
   grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
   # `mok run` on the GPU (every rank emulated on one device): each run must exit 0 and end in PASS.
   while read -r run_args; do
-    out="$(timeout --kill-after=10 120 "$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?
+    out="$(timeout --kill-after=10 "$(left 120)" "$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?
     printf '$ mok run --backend cuda %s\n%s\n\n' "$run_args" "$out" >> "$LOGS/mok_run_cuda.log"
     if [ "$rc" -eq 0 ] && [ "$(printf '%s\n' "$out" | tail -1)" = "PASS" ]; then
       log "mok run --backend cuda $run_args: PASS"
@@ -72,16 +84,16 @@ RUNS
 fi
 
 if has timing; then
-  timeout --kill-after=10 180 "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
+  timeout --kill-after=10 "$(left 180)" "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
   log "timing:"; cat "$LOGS/timing.log" | tee -a "$LOGS/summary.txt"
 fi
 
 if has sanitize; then
   for tool in memcheck racecheck; do
-    if timeout --kill-after=10 180 compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
+    if timeout --kill-after=10 "$(left 180)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
          --gtest_filter='*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
          > "$LOGS/sanitize_$tool.log" 2>&1 &&
-       timeout --kill-after=10 120 compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
+       timeout --kill-after=10 "$(left 120)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
          --tokens 130 --runs 1 >> "$LOGS/sanitize_$tool.log" 2>&1; then
       log "compute-sanitizer $tool clean"
     else
@@ -91,34 +103,31 @@ if has sanitize; then
 fi
 
 if has bench_experts; then
-  timeout --kill-after=20 $(( ${MOK_BENCH_BUDGET:-200} + 120 )) python3 -m bench.run --cases experts_1gpu \
+  timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases experts_1gpu \
     --passes forward,backward --out "$LOGS/experts_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/experts_1gpu_h200.json" >> "$LOGS/experts_1gpu_h200.log" 2>&1 || true
-  log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"
+  publish; log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"
 fi
 
 if has bench_1gpu; then
-  timeout --kill-after=20 $(( ${MOK_BENCH_BUDGET:-200} + 120 )) python3 -m bench.run --cases baselines_1gpu \
+  timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases baselines_1gpu \
     --out "$LOGS/baselines_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/baselines_1gpu_h200.json" >> "$LOGS/baselines_1gpu_h200.log" 2>&1 || true
-  log "bench 1gpu done"; tail -5 "$LOGS/baselines_1gpu_h200.log"
+  publish; log "bench 1gpu done"; tail -5 "$LOGS/baselines_1gpu_h200.log"
 fi
 
 if has bench_2gpu; then
   # A hard timeout on top of the harness's own budget: a stuck collective must not eat the call.
-  budget="${MOK_BENCH_BUDGET:-330}"
-  timeout --kill-after=20 $((budget + 150)) torchrun --standalone --nproc-per-node=2 -m bench.run \
+  budget="${MOK_BENCH_BUDGET_2GPU:-${MOK_BENCH_BUDGET:-330}}"
+  timeout --kill-after=10 "$(left $((budget + 150)))" torchrun --standalone --nproc-per-node=2 -m bench.run \
     --cases baselines_2gpu --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
     > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
-  log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
+  publish; log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
 fi
 
 log "exit $status"
-cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null
-for f in "$LOGS"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 rm -f "$LOGS/sass.txt.gz"; gzip -f "$LOGS/sass.txt" 2>/dev/null
-tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 exit $status
