@@ -102,9 +102,9 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, Any]:
         ms = _median_ms(rt, fn, warmup, iters, all_ranks=True)
         return NVLINK_BUFFER_BYTES / (ms * 1e-3) / 1e9
 
-    def write_check(write: Callable[[], object]) -> tuple[bool, tuple[float, float]]:
-        # Every rank writes its rank into its right neighbour's buffer; ours must then hold our
-        # left neighbour's rank. Agreed by all ranks.
+    def write_check(write: Callable[[], object], sign: float) -> tuple[bool, tuple[float, float]]:
+        # Every rank writes its rank (times `sign`: the torch path writes negated values) into its
+        # right neighbour's buffer; ours must then hold our left neighbour's. Agreed by all ranks.
         symm_buf.fill_(-1.0)
         local.fill_(rt.rank)
         rt.barrier()
@@ -112,7 +112,8 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         rt.barrier()
         seen = (float(symm_buf[0]), float(symm_buf[-1]))
-        ok = rt.all_min([1.0 if seen == (float(left), float(left)) else 0.0])[0] >= 1.0
+        expected = float(sign * left)
+        ok = rt.all_min([1.0 if seen == (expected, expected) else 0.0])[0] >= 1.0
         return ok, seen
 
     paths: dict[str, dict[str, Callable[[], object]]] = {}
@@ -131,13 +132,13 @@ def _nvlink_gbps(rt: Runtime, warmup: int, iters: int) -> dict[str, Any]:
         paths.pop("mok_copy", None)
     for name, fns in paths.items():
         read, write = rate(fns["read"]), rate(fns["write"])
-        ok, seen = write_check(fns["write"])
+        ok, seen = write_check(fns["write"], -1.0 if name == "torch" else 1.0)
         if ok:
             info[f"nvlink_read_gbps_{name}"] = read
             info[f"nvlink_write_gbps_{name}"] = write
         else:
             info.setdefault("nvlink_path_errors", {})[name] = (
-                f"peer write check failed on some rank (this rank expected {left}, saw {seen}); "
+                f"peer write check failed on some rank (this rank saw {seen} from rank {left}); "
                 f"timed {read:.0f}/{write:.0f} GB/s dropped")
     for name in ("mok_copy", "torch"):  # the SM path of record: mok's kernel, else torch's
         if f"nvlink_read_gbps_{name}" in info:
