@@ -57,12 +57,13 @@ fi
 
 if has tests; then
   # Hard timeouts everywhere a kernel runs: a deadlocked pipeline must end the step, not the call.
-  if timeout --kill-after=10 "$(left "${MOK_TEST_TIMEOUT:-240}")" "$BUILD/cuda/mok_cuda_tests" > "$LOGS/gpu_tests.log" 2>&1; then
+  if timeout --kill-after=10 "$(left "${MOK_TEST_TIMEOUT:-240}")" "$BUILD/cuda/mok_cuda_tests" \
+       --gtest_filter="${MOK_GTEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1; then
     log "gpu tests ok"
   else
     status=1; log "gpu tests FAILED (exit $?; 124 = timed out)"
   fi
-  grep -E "^\[ +(OK|FAILED) +\]|rel error" "$LOGS/gpu_tests.log" | tail -30
+  grep -E "^\[ +(OK|FAILED) +\]|rel error|Failure|Expected|Which is|differs|timed out" "$LOGS/gpu_tests.log" | tail -40
   # `mok run` on the GPU (every rank emulated on one device): each run must exit 0 and end in PASS.
   while read -r run_args; do
     out="$(timeout --kill-after=10 "$(left 120)" "$BUILD/mok" run --backend cuda $run_args 2>&1)"; rc=$?

@@ -8,6 +8,7 @@
 
 #include "mok/cuda/detail/expert_epilogues.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
+#include "launch_util.h"
 
 namespace mok::cuda {
 namespace {
@@ -16,17 +17,11 @@ using detail::GemmConfig;
 // sm_90's largest opt-in shared memory per block: 227 KiB.
 static_assert(sizeof(detail::GroupedGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("mok cuda: ") + what + ": " + cudaGetErrorString(e));
-}
-
-int device_sms(int requested) {
-  if (requested > 0) return requested;
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
-  return sms;
-}
+using host_util::bf;
+using host_util::check;
+using host_util::ceil_div;
+using host_util::device_sms;
+using host_util::store_target;
 
 template <class Mainloop, class Epilogue>
 void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num_sms, cudaStream_t stream) {
@@ -37,14 +32,6 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
-using bf16_t = cute::bfloat16_t;
-const bf16_t* bf(const void* p) { return static_cast<const bf16_t*>(p); }
-bf16_t* bf(void* p) { return static_cast<bf16_t*>(p); }
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
-  return {detail::make_store_tma(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
-}
 detail::StoreTensorF32 store_target_f32(float* ptr, int64_t rows, int64_t cols, int64_t experts) {
   return {detail::make_store_tma_f32(ptr, int(rows), int(cols), cols, int(experts), rows * cols), int(rows), int(cols),
           int(experts)};

@@ -154,7 +154,7 @@ struct SwiGluEpilogue {
       static_for<2>([&](auto c_) {
         constexpr int c = decltype(c_)::value;
         store_chunk<32 * c + 64 * plane>(
-            staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.m_block,
+            staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.save_m_block,
             2 * t.n_block + c, 0, thread, [&](auto i_) {
               constexpr int i = decltype(i_)::value;
               __nv_bfloat162 v;

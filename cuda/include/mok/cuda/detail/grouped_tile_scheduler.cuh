@@ -15,6 +15,7 @@ namespace mok::cuda::detail {
 struct GroupedTile {
   int expert;
   int m_block;    // output row block: rows [m_block*kBlockM, +kBlockM) (global rows, or rows of W for wgrad)
+  int save_m_block;  // the row block of the saved g|u (the megakernel's m_block is a ring row block)
   int n_block;    // output column block
   int row_end;    // the expert's segment end (grouped rows)
   int k_begin;    // k-blocks [k_begin, k_end) of the reduction
@@ -77,6 +78,7 @@ struct GroupedTileScheduler {
     GroupedTile t;
     t.expert = lo;
     t.m_block = s.offsets[lo] / kBlockM + group * kGroupM + in_group % group_rows;
+    t.save_m_block = t.m_block;
     t.n_block = in_group / group_rows;
     t.row_end = s.offsets[lo + 1];
     t.k_begin = 0;
@@ -104,6 +106,7 @@ struct ExpertTileScheduler {
     t.expert = linear / per_expert;
     const int local = linear - t.expert * per_expert;
     t.m_block = local / n_blocks;
+    t.save_m_block = t.m_block;
     t.n_block = local % n_blocks;
     t.row_end = s.offsets[t.expert + 1];
     t.k_begin = s.offsets[t.expert] / kBlockK;

@@ -1,0 +1,425 @@
+// The forward megakernel of one rank: dispatch (a pull of token rows from every rank's x into
+// the ring), gate/up + SwiGLU, down, and the combine push of each output row into its (token, j)
+// slot on the source rank, in one persistent launch (megakernel.h has the protocol around it).
+//
+// Roles by CTA: the first comm_ctas CTAs pull rows; the others compute tasks in one fixed order:
+// minibatch by minibatch, its gate/up tiles, then its down tiles. Minibatch b is rows
+// [b*M, (b+1)*M) of the rank's schedule (M a multiple of 128, so no tile crosses a minibatch or an
+// expert) and lives in ring slot b % S. Tasks wait on counters, never on CTAs:
+//   gate/up tile of b      waits x_ready[b]  == comm_ctas      (every comm CTA pulled its rows of b)
+//   down tile of row block waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
+//   dispatch of b (b >= S) waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
+// A task's inputs come only from earlier tasks, and every CTA takes its tasks in increasing order,
+// so the lowest unfinished task can always run: no deadlock for any skew, ring or minibatch size.
+// Each output tile is computed by one CTA with the expert kernels' k order, so which CTA takes it
+// cannot change a bit; a row's outputs do not depend on the other rows of its minibatch.
+//
+// Every wait is bounded (WaitStatus): on timeout the first waiter records (code, rank, where,
+// seen) in the status words, every other wait then gives up at once, and the kernel runs to its
+// end with garbage, which the host reports as an error naming the rank and the wait.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "mok/core/symmetric_layout.h"
+#include "mok/cuda/detail/grouped_gemm_kernel.cuh"
+#include "mok/cuda/routing.h"
+
+namespace mok::cuda::detail {
+
+using namespace cute;
+
+// ---- memory-model helpers ----
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void add_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Orders generic-proxy accesses with the TMA (async proxy) accesses around it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// Status words [4] of a rank (device memory): code (0 = fine), rank, where, seen.
+struct WaitStatus {
+  int32_t* words;
+  int32_t rank;
+  uint64_t timeout_ns;
+};
+
+// Codes of the waits (megakernel.h: describe_wait_status).
+enum WaitCode : int32_t {
+  kWaitRingSlot = 16,    // dispatch waited for the down tiles of minibatch `where` to free its ring slot
+  kWaitRows = 17,        // gate/up waited for the rows of minibatch `where`
+  kWaitHidden = 18,      // down waited for the gate/up tiles of row block `where`
+  kWaitBarrier = 19,     // the start barrier waited for rank `where`
+  kWaitCombine = 20,     // the combine waited for rank `where`'s pushes
+};
+
+// Spins until *p >= target; false when it gave up (it timed out, or another wait did).
+template <bool kSystem>
+__device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStatus& s, int32_t code, int32_t where) {
+  const uint64_t start = global_ns();
+  for (int spin = 0;; ++spin) {
+    const uint32_t seen = kSystem ? ld_acquire_sys(p) : ld_acquire_gpu(p);
+    if (seen >= target) return true;
+    if (*reinterpret_cast<volatile int32_t*>(s.words) != 0) return false;
+    if (global_ns() - start > s.timeout_ns) {
+      if (atomicCAS(s.words, 0, code) == 0) {
+        s.words[1] = s.rank;
+        s.words[2] = where;
+        s.words[3] = static_cast<int32_t>(seen);
+        __threadfence_system();
+      }
+      return false;
+    }
+    if (spin > 32) __nanosleep(256);
+  }
+}
+
+struct MegaForwardParams {
+  ForwardMainloop::Params gu_load, down_load;
+  SwiGluEpilogue::Params gu_store;  // h into the ring; g|u (optional) at global rows
+  int32_t experts, row_capacity;
+  int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
+  int32_t n_gu, n_down, k_gu, k_down;
+  int32_t comm_ctas;
+  int32_t ranks, rank, topk, slots, hidden, row_vectors;
+  const int32_t* offsets;
+  const int32_t* src_rank;
+  const int32_t* src_slot;
+  uint4* ring_x;                     // [ring_rows, H]
+  uint32_t* x_ready;                 // [max minibatches]
+  uint32_t* y_done;                  // [max minibatches]
+  uint32_t* h_ready;                 // [row_capacity / 128]
+  uint32_t* done_ctas;               // [1]
+  uint32_t epoch;
+  WaitStatus status;
+  const uint4* x[kMaxRanks];               // [T, H] on each rank
+  __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank
+  uint32_t* arrived[kMaxRanks];            // rank s's combine_arrived word of this (source) rank
+};
+
+// The schedule's rows, or 0 when the offsets are malformed (the compute CTAs then do nothing
+// either, and the status word says why).
+__device__ __forceinline__ int scheduled_rows(const MegaForwardParams& p) {
+  const int used = p.offsets[p.experts];
+  return (used < 0 || used > p.row_capacity || used % GemmConfig::kBlockM != 0) ? 0 : used;
+}
+
+struct MegaTask {
+  bool down;
+  int minibatch;
+  int row_block;  // global row block of the schedule
+  GroupedTile tile;
+};
+
+struct MegaTasks {
+  const MegaForwardParams& p;
+  const GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>& s;
+
+  __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
+  __device__ int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
+  __device__ int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
+  __device__ int total() const {
+    const int rb = row_blocks(), mb = mb_blocks();
+    if (rb == 0) return 0;
+    const int full = (rb - 1) / mb;  // minibatches before the last
+    return full * mb * (p.n_gu + p.n_down) + (rb - full * mb) * (p.n_gu + p.n_down);
+  }
+
+  __device__ MegaTask at(int linear) const {
+    const int mb = mb_blocks();
+    const int b = linear / (mb * (p.n_gu + p.n_down));
+    const int rbs = blocks_of(b);
+    int local = linear - b * mb * (p.n_gu + p.n_down);
+    MegaTask task;
+    task.down = local >= rbs * p.n_gu;
+    if (task.down) local -= rbs * p.n_gu;
+    const int n_blocks = task.down ? p.n_down : p.n_gu;
+    // Groups of 8 row blocks, row block fastest (as GroupedTileScheduler: weights reused from L2).
+    const int group = local / (8 * n_blocks);
+    const int group_rows = min(8, rbs - group * 8);
+    const int in_group = local - group * 8 * n_blocks;
+    const int rb_local = group * 8 + in_group % group_rows;
+    task.minibatch = b;
+    task.row_block = b * mb + rb_local;
+    // The expert holding the row block: the last one starting at or before it.
+    const int row = task.row_block * GemmConfig::kBlockM;
+    int lo = 0, hi = p.experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (s.offsets[mid] <= row) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int slots = p.ring_rows / p.mb_rows;
+    task.tile.expert = lo;
+    task.tile.m_block = (b % slots) * mb + rb_local;  // the ring's row block
+    task.tile.save_m_block = task.row_block;
+    task.tile.n_block = in_group / group_rows;
+    task.tile.row_end = s.offsets[lo + 1];
+    task.tile.k_begin = 0;
+    task.tile.k_end = task.down ? p.k_down : p.k_gu;
+    return task;
+  }
+};
+
+// ---- dispatch: comm CTAs pull the rows of each minibatch into its ring slot ----
+__device__ void dispatch_role(const MegaForwardParams& p) {
+  const int used = scheduled_rows(p);
+  const int mb = p.mb_rows / GemmConfig::kBlockM;
+  const int slots = p.ring_rows / p.mb_rows;
+  const int row_blocks = used / GemmConfig::kBlockM;
+  const int minibatches = (row_blocks + mb - 1) / mb;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  constexpr int kUnroll = 8;  // 16-byte loads in flight per lane (peer reads are long)
+  for (int b = 0; b < minibatches; ++b) {
+    if (b >= slots) {
+      const int prev = b - slots;
+      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_down);
+      if (threadIdx.x == 0) wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
+      __syncthreads();
+    }
+    const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
+    const int64_t slot_row0 = int64_t(b % slots) * p.mb_rows;
+    for (int r = row0 + blockIdx.x * warps + warp; r < row1; r += p.comm_ctas * warps) {
+      const int rank = p.src_rank[r], slot = p.src_slot[r];
+      uint4* dst = p.ring_x + (slot_row0 + r - row0) * p.row_vectors;
+      if (rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots) {
+        const uint4* src = p.x[rank] + int64_t(slot / p.topk) * p.row_vectors;
+        for (int v0 = 0; v0 < p.row_vectors; v0 += 32 * kUnroll) {
+          uint4 part[kUnroll];
+          CUTE_UNROLL
+          for (int u = 0; u < kUnroll; ++u) {
+            const int v = v0 + u * 32 + lane;
+            if (v < p.row_vectors) part[u] = src[v];
+          }
+          CUTE_UNROLL
+          for (int u = 0; u < kUnroll; ++u) {
+            const int v = v0 + u * 32 + lane;
+            if (v < p.row_vectors) dst[v] = part[u];
+          }
+        }
+      } else {
+        for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
+      }
+    }
+    __syncthreads();  // the CTA's rows of b are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      fence_proxy_async();  // the gate/up tiles read them with TMA
+      add_release_gpu(&p.x_ready[b], 1);
+    }
+  }
+}
+
+// ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
+// Two halves of 128 columns, each through both staging tiles (64 columns each): the accumulator
+// values of a half are dead once written, which keeps the read-back within the register budget.
+// Each thread then stores 16-byte pieces of 4 rows (thread / 8 + 32 i) at columns 8 * (thread % 8)
+// of both tiles.
+template <class Acc, class Coords>
+__device__ void push_rows(const MegaForwardParams& p, const MegaTask& task, Acc& acc, const Coords& coords,
+                          int thread, bfloat16_t* staging) {
+  const int piece = thread % 8;
+  if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
+  static_for<2>([&](auto half_) {
+    constexpr int half = decltype(half_)::value;
+    consumers_sync();  // (half 0: the staging tiles are free; half 1: nobody reads them any more)
+    static_for<2>([&](auto b_) {
+      constexpr int c = 2 * half + decltype(b_)::value;  // 64-column chunk of the tile
+      Tensor sC = make_tensor(make_smem_ptr(staging + decltype(b_)::value * kStagingElems), SmemLayoutEpilogue{});
+      static_for<16>([&](auto j) {  // the thread's 32 values of columns [64c, 64c + 64)
+        constexpr int i = 32 * c + 2 * decltype(j)::value;
+        const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 64 * c;
+        *reinterpret_cast<__nv_bfloat162*>(&sC(r, col)) = __floats2bfloat162_rn(acc(i), acc(i + 1));
+      });
+    });
+    consumers_sync();
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = thread / 8 + 32 * i;
+      const int row = task.row_block * GemmConfig::kBlockM + r;
+      const int rank = p.src_rank[row], slot = p.src_slot[row];
+      if (rank < 0 || rank >= p.ranks || slot < 0 || slot >= p.slots) continue;  // padding row
+      __nv_bfloat16* dst = p.combine[rank] + int64_t(slot) * p.hidden;
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        const int col = task.tile.n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
+        Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
+        if (col < p.hidden) *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
+      }
+    }
+  });
+}
+
+__global__ void __launch_bounds__(GemmConfig::kThreads, 1)
+    megakernel_forward_kernel(const __grid_constant__ MegaForwardParams p) {
+  using Pipeline = GemmConfig::Pipeline;
+  constexpr int kStages = GemmConfig::kStages;
+  if (int(blockIdx.x) < p.comm_ctas) {
+    dispatch_role(p);
+    return;
+  }
+  extern __shared__ __align__(1024) char smem_raw[];
+  GroupedGemmSharedStorage& smem = *reinterpret_cast<GroupedGemmSharedStorage*>(smem_raw);
+  const int warp = threadIdx.x / 32;
+  const int warpgroup = threadIdx.x / 128;
+  const int cta = blockIdx.x - p.comm_ctas, ctas = gridDim.x - p.comm_ctas;
+
+  if (warp == 0) {
+    const int bad = GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts>::init(
+        smem.tiles, p.offsets, p.experts, p.row_capacity);
+    if (bad != 0 && threadIdx.x == 0 && cta == 0) atomicCAS(p.status.words, 0, bad);
+    if (threadIdx.x == 0) {
+      ForwardMainloop::prefetch(p.gu_load);
+      ForwardMainloop::prefetch(p.down_load);
+    }
+  }
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = GemmConfig::kStageBytes;
+  pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = 256;
+  Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  const MegaTasks tasks{p, smem.tiles};
+  const int total = tasks.total();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp == 0 && cute::elect_one_sync()) {
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int linear = cta; linear < total; linear += ctas) {
+        const MegaTask task = tasks.at(linear);
+        if (task.down) {
+          wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_gu), p.status, kWaitHidden, task.row_block);
+        } else {
+          wait_at_least<false>(&p.x_ready[task.minibatch], uint32_t(p.comm_ctas), p.status, kWaitRows, task.minibatch);
+        }
+        fence_proxy_async();  // the rows the counter announced are read by TMA
+        const ForwardMainloop::Params& load = task.down ? p.down_load : p.gu_load;
+        for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
+          pipeline.producer_acquire(state);
+          ForwardMainloop::load(load, smem.a, smem.b, task.tile, kb, state.index(), *pipeline.producer_get_barrier(state));
+          ++state;
+        }
+      }
+      pipeline.producer_tail(state);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    const int consumer_thread = threadIdx.x - 128;
+    ExpertTiledMma<GMMA::Major::K, GMMA::Major::K> mma;
+    auto thr = mma.get_thread_slice(consumer_thread);
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), ForwardMainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), ForwardMainloop::SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    Tensor cC = make_identity_tensor(Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
+    Tensor tCcC = thr.partition_C(cC);
+    Tensor acc = partition_fragment_C(mma, Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
+
+    cutlass::PipelineState<kStages> read_state;
+    cutlass::PipelineState<kStages> release_state;
+    for (int linear = cta; linear < total; linear += ctas) {
+      // Only the k-block count lives through the mainloop; the task is derived again for the
+      // epilogue (registers: the accumulator takes 128 of them).
+      const int k_blocks = tasks.at(linear).tile.k_end;
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(acc);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        pipeline.consumer_wait(read_state);
+        const int stage = read_state.index();
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+          cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        if (kb > 0) {
+          pipeline.consumer_release(release_state);
+          ++release_state;
+        }
+        ++read_state;
+      }
+      warpgroup_wait<0>();
+      pipeline.consumer_release(release_state);
+      ++release_state;
+      warpgroup_fence_operand(acc);
+      const MegaTask task = tasks.at(linear);
+      if (!task.down) {
+        SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
+        if (consumer_thread == 0) {
+          // h of this tile is in global memory (not only read out of shared memory) before the count.
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          fence_proxy_async();
+          __threadfence();
+          add_release_gpu(&p.h_ready[task.row_block], 1);
+        }
+      } else {
+        push_rows(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
+        consumers_sync();  // every thread has read h (mainloop) and issued its stores
+        if (consumer_thread == 0) add_release_gpu(&p.y_done[task.minibatch], 1);
+      }
+    }
+    drain_stores(consumer_thread);
+    // The pushes of every CTA reach the peers before the last CTA tells them so.
+    __threadfence_system();
+    consumers_sync();
+    if (consumer_thread == 0) {
+      const uint32_t before = atomicAdd(p.done_ctas, 1u);
+      if (before == uint32_t(ctas - 1)) {
+        __threadfence_system();
+        for (int s = 0; s < p.ranks; ++s) st_release_sys(p.arrived[s], p.epoch);
+      }
+    }
+  }
+}
+
+// ---- the small kernels around it ----
+// Start barrier: tell every rank this one has arrived (its x, topk_idx and topk_w are written),
+// then wait until every rank has. flags[s] = rank s's barrier word of this rank; mine[s] = this
+// rank's barrier word of rank s.
+struct BarrierParams {
+  int32_t ranks;
+  uint32_t epoch;
+  WaitStatus status;
+  int32_t code;
+  uint32_t* flags[kMaxRanks];
+  const uint32_t* mine[kMaxRanks];
+};
+
+__global__ void signal_barrier_kernel(const __grid_constant__ BarrierParams p, int signal) {
+  const int s = threadIdx.x;
+  if (s >= p.ranks) return;
+  if (signal) {
+    __threadfence_system();
+    st_release_sys(p.flags[s], p.epoch);
+  }
+  wait_at_least<true>(p.mine[s], p.epoch, p.status, p.code, s);
+}
+
+}  // namespace mok::cuda::detail

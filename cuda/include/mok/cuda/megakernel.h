@@ -1,0 +1,76 @@
+// Host API of the MoK forward on Hopper: one rank's whole routed MoE forward over symmetric
+// buffers, with dispatch, the expert GEMMs and the combine fused in one persistent launch.
+//
+// Per call, on this rank's stream (every rank makes the same call with the same epoch):
+//   1. start barrier: tell every rank this one's x, topk_idx and topk_w are in its symmetric
+//      buffer (SymmetricLayout), and wait for every rank to say the same;
+//   2. the routing schedule of this rank, from every rank's topk_idx (routing.h, no host sync);
+//   3. the megakernel (detail/megakernel_forward.cuh): comm CTAs pull the rows of each minibatch
+//      from the source ranks' x into the ring; compute CTAs run gate/up + SwiGLU and down on it
+//      and push every output row into its (token, j) slot of the source rank's combine buffer;
+//   4. wait until every rank has pushed its rows for this rank's tokens;
+//   5. the fixed-order combine epilogue y = y_shared + sum_j topk_w[t, j] * slot[t, j].
+// Nothing is allocated and the host never waits. Any skew runs in the fixed ring (the loops are
+// longer, nothing is dropped). Every wait is bounded by timeout_s; a timeout ends the call with
+// garbage and a status naming the rank and the wait (describe_wait_status), never a hang.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mok/core/symmetric_layout.h"
+#include "mok/cuda/routing.h"
+
+namespace mok::cuda {
+
+struct MoeForwardArgs {
+  RoutingShape shape;      // R ranks, T tokens each, top-k of E experts
+  int64_t rank = 0;        // this rank
+  int64_t hidden = 0;      // H
+  int64_t intermediate = 0;  // I
+  // Every rank's symmetric buffer, as addressed from this rank's device: a host array of R base
+  // pointers (bases[rank] is this rank's own), each laid out by `layout`.
+  SymmetricLayout layout;
+  void* const* bases = nullptr;
+  // This rank's experts: El = E / R of them.
+  const void* w_gate = nullptr;  // [El, I, H] bf16
+  const void* w_up = nullptr;    // [El, I, H] bf16
+  const void* w_down = nullptr;  // [El, H, I] bf16
+  // This rank's schedule (routing.h: ScheduleArgs), rebuilt by every call.
+  int32_t* expert_offsets = nullptr;  // [El+1]
+  int32_t* expert_rows = nullptr;     // [El]
+  int32_t* src_rank = nullptr;        // [row_capacity]
+  int32_t* src_slot = nullptr;        // [row_capacity]
+  int64_t row_capacity = 0;           // >= routed_row_capacity(shape)
+  void* schedule_workspace = nullptr; // schedule_workspace_bytes(shape)
+  RoutingStatus* routing_status = nullptr;  // sticky: an out-of-range expert id
+  // The ring: S = ring_rows / minibatch_rows slots of one minibatch each.
+  int64_t minibatch_rows = 0;  // a multiple of 128
+  int64_t ring_rows = 0;       // a multiple of minibatch_rows
+  void* ring_x = nullptr;      // [ring_rows, H] bf16
+  void* ring_h = nullptr;      // [ring_rows, I] bf16
+  void* gu = nullptr;          // optional [row_capacity, 2I] bf16: g | u of every row, for the backward
+  uint32_t* counters = nullptr;  // megakernel_counter_words(row_capacity, minibatch_rows) words
+  const void* y_shared = nullptr;  // optional [T, H] bf16: the shared expert's output, added in the combine
+  void* y = nullptr;               // [T, H] bf16 out
+  uint32_t epoch = 1;        // > 0, one more on every call, the same on every rank
+  int comm_ctas = 0;         // CTAs that pull rows (0 = the default: 1/8 of the SMs)
+  int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
+  std::optional<float> swiglu_limit;
+  int32_t* status = nullptr;  // [4] device words, zero before the first call: code, rank, where, seen
+  double timeout_s = 10.0;    // every wait's bound
+};
+
+int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
+// Why moe_forward cannot run these arguments, or "" when it can.
+std::string can_implement(const MoeForwardArgs& args);
+void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
+
+// "" for a clean status, else what failed, e.g. "rank 0 timed out waiting at the start barrier for
+// rank 1 (saw epoch 0, wanted 3)" or the expert kernels' status message.
+std::string describe_wait_status(const int32_t words[4], uint32_t epoch);
+
+}  // namespace mok::cuda

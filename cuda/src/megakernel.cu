@@ -1,0 +1,238 @@
+// Host side of the fused forward (include/mok/cuda/megakernel.h).
+#include "mok/cuda/megakernel.h"
+
+#include <cuda_runtime.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "launch_util.h"
+#include "mok/cuda/detail/megakernel_forward.cuh"
+
+namespace mok::cuda {
+namespace {
+
+using detail::GemmConfig;
+using host_util::bf;
+using host_util::ceil_div;
+using host_util::check;
+
+struct CounterLayout {
+  int64_t minibatches, row_blocks;
+  int64_t x_ready() const { return 0; }
+  int64_t y_done() const { return minibatches; }
+  int64_t h_ready() const { return 2 * minibatches; }
+  int64_t done_ctas() const { return 2 * minibatches + row_blocks; }
+  int64_t words() const { return 2 * minibatches + row_blocks + 1; }
+};
+
+CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
+  const int64_t row_blocks = (row_capacity + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
+  const int64_t mb_blocks = std::max<int64_t>(1, minibatch_rows / GemmConfig::kBlockM);
+  return {(row_blocks + mb_blocks - 1) / mb_blocks, row_blocks};
+}
+
+uint32_t* signal_word(void* base, int64_t offset) { return SymmetricLayout::at<uint32_t>(base, offset); }
+
+// One single-block kernel: signal (optionally) and wait on one word per rank.
+template <class FlagOf, class MineOf>
+void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_t code, bool signal,
+             const FlagOf& flag_of, const MineOf& mine_of, cudaStream_t stream) {
+  detail::BarrierParams p{};
+  p.ranks = ranks;
+  p.epoch = epoch;
+  p.status = status;
+  p.code = code;
+  for (int s = 0; s < ranks; ++s) {
+    p.flags[s] = flag_of(s);
+    p.mine[s] = mine_of(s);
+  }
+  detail::signal_barrier_kernel<<<1, 32 * ((ranks + 31) / 32), 0, stream>>>(p, signal ? 1 : 0);
+  check(cudaGetLastError(), signal ? "launch start barrier" : "launch combine wait");
+}
+
+}  // namespace
+
+int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {
+  return counter_layout(row_capacity, minibatch_rows).words();
+}
+
+std::string can_implement(const MoeForwardArgs& a) {
+  std::ostringstream why;
+  const RoutingShape& s = a.shape;
+  const int64_t El = s.local_experts();
+  if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
+  if (a.rank < 0 || a.rank >= s.ranks) why << "rank " << a.rank << " is not in [0, " << s.ranks << "); ";
+  if (s.tokens_per_rank < 0 || s.topk < 1 || s.num_experts < 1 || s.num_experts % std::max<int64_t>(s.ranks, 1) != 0)
+    why << "bad routing shape (T=" << s.tokens_per_rank << ", k=" << s.topk << ", E=" << s.num_experts << "); ";
+  if (El < 1 || El > GemmConfig::kMaxExperts)
+    why << "local experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
+  if (a.hidden < 8 || a.hidden % 8 != 0) why << "hidden must be a positive multiple of 8, got " << a.hidden << "; ";
+  if (a.intermediate < 8 || a.intermediate % 8 != 0)
+    why << "intermediate must be a positive multiple of 8, got " << a.intermediate << "; ";
+  const SymmetricLayout& l = a.layout;
+  if (l.tokens != s.tokens_per_rank || l.hidden != a.hidden || l.topk != s.topk || l.ranks != s.ranks)
+    why << "the symmetric layout was made for T=" << l.tokens << " H=" << l.hidden << " k=" << l.topk << " R=" << l.ranks
+        << ", not T=" << s.tokens_per_rank << " H=" << a.hidden << " k=" << s.topk << " R=" << s.ranks << "; ";
+  if (a.bases == nullptr) {
+    why << "bases (one symmetric buffer per rank) is null; ";
+  } else {
+    for (int64_t r = 0; r < s.ranks && r < kMaxRanks; ++r)
+      if (a.bases[r] == nullptr) why << "bases[" << r << "] is null; ";
+  }
+  if (!a.w_gate || !a.w_up || !a.w_down || !a.expert_offsets || !a.expert_rows || !a.src_rank || !a.src_slot ||
+      !a.schedule_workspace || !a.routing_status || !a.ring_x || !a.ring_h || !a.counters || !a.y || !a.status)
+    why << "weights, schedule buffers, ring, counters, y and status must not be null; ";
+  if (a.row_capacity < routed_row_capacity(s))
+    why << "row_capacity " << a.row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
+  if (a.row_capacity > (int64_t{1} << 30)) why << "row_capacity must be <= 2^30; ";
+  if (a.minibatch_rows < GemmConfig::kBlockM || a.minibatch_rows % GemmConfig::kBlockM != 0)
+    why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
+  else if (a.ring_rows < a.minibatch_rows || a.ring_rows % a.minibatch_rows != 0)
+    why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
+        << "; ";
+  if (a.epoch == 0) why << "epoch must be > 0; ";
+  if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
+  if (!(a.timeout_s > 0.0)) why << "timeout_s must be > 0; ";
+  std::string out = why.str();
+  if (out.size() >= 2) out.resize(out.size() - 2);
+  return out;
+}
+
+void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
+  if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
+  const RoutingShape& shape = a.shape;
+  const int R = int(shape.ranks), me = int(a.rank);
+  const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts();
+  const SymmetricLayout& l = a.layout;
+  void* mine = a.bases[me];
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+
+  // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
+  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+
+  // 2. This rank's schedule from every rank's topk_idx.
+  const int32_t* topk_idx[kMaxRanks];
+  for (int s = 0; s < R; ++s) topk_idx[s] = SymmetricLayout::at<const int32_t>(a.bases[s], l.topk_idx);
+  ScheduleArgs sa;
+  sa.shape = shape;
+  sa.dest_rank = me;
+  sa.topk_idx = topk_idx;
+  sa.expert_offsets = a.expert_offsets;
+  sa.expert_rows = a.expert_rows;
+  sa.src_rank = a.src_rank;
+  sa.src_slot = a.src_slot;
+  sa.row_capacity = a.row_capacity;
+  sa.workspace = a.schedule_workspace;
+  sa.status = a.routing_status;
+  build_schedule(sa, stream);
+
+  // 3. The megakernel.
+  const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
+  check(cudaMemsetAsync(a.counters, 0, counters.words() * sizeof(uint32_t), stream), "zero the counters");
+  const int sms = host_util::device_sms(a.num_sms);
+  const int comm = a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
+  if (comm >= sms) throw std::invalid_argument("mok moe_forward: comm_ctas must leave compute CTAs (comm_ctas " +
+                                               std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
+  using Mainloop = detail::ForwardMainloop;
+  const int64_t ring = a.ring_rows, cap = a.row_capacity;
+  detail::MegaForwardParams p{};
+  p.gu_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_x), int(ring), int(H)),
+                               Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
+                               Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(ring), int(H), int(I), int(El),
+                               /*b1_row_shift=*/0};
+  p.down_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_h), int(ring), int(I)),
+                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
+                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(ring), int(I), int(H),
+                                 int(El), /*b1_row_shift=*/1};
+  void* gu = a.gu != nullptr ? a.gu : a.ring_h;  // a valid pointer for the unused descriptors
+  p.gu_store = detail::SwiGluEpilogue::Params{
+      host_util::store_target(a.ring_h, ring, I, I), host_util::store_target(gu, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
+      host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
+      a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  p.experts = int(El);
+  p.row_capacity = int(cap);
+  p.ring_rows = int(ring);
+  p.mb_rows = int(a.minibatch_rows);
+  p.n_gu = ceil_div(I, GemmConfig::kHalfN);
+  p.n_down = ceil_div(H, GemmConfig::kBlockN);
+  p.k_gu = ceil_div(H, GemmConfig::kBlockK);
+  p.k_down = ceil_div(I, GemmConfig::kBlockK);
+  p.comm_ctas = comm;
+  p.ranks = R;
+  p.rank = me;
+  p.topk = int(shape.topk);
+  p.slots = int(shape.slots());
+  p.hidden = int(H);
+  p.row_vectors = int(H / 8);
+  p.offsets = a.expert_offsets;
+  p.src_rank = a.src_rank;
+  p.src_slot = a.src_slot;
+  p.ring_x = static_cast<uint4*>(a.ring_x);
+  p.x_ready = a.counters + counters.x_ready();
+  p.y_done = a.counters + counters.y_done();
+  p.h_ready = a.counters + counters.h_ready();
+  p.done_ctas = a.counters + counters.done_ctas();
+  p.epoch = a.epoch;
+  p.status = status;
+  for (int s = 0; s < R; ++s) {
+    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[s], l.x);
+    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.combine);
+    p.arrived[s] = signal_word(a.bases[s], l.combine_arrived(me));
+  }
+  auto kernel = detail::megakernel_forward_kernel;
+  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
+  kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), "launch the megakernel");
+
+  // 4. Every rank's pushes for this rank's tokens have landed.
+  barrier(R, a.epoch, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
+          [&](int s) { return signal_word(mine, l.combine_arrived(s)); }, stream);
+
+  // 5. The fixed-order weighted sum.
+  CombineArgs c;
+  c.tokens = shape.tokens_per_rank;
+  c.hidden = H;
+  c.topk = shape.topk;
+  c.y_shared = a.y_shared;
+  c.slots = SymmetricLayout::at<const void>(mine, l.combine);
+  c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
+  c.y = a.y;
+  combine_epilogue(c, stream);
+}
+
+std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
+  std::ostringstream out;
+  const int32_t code = w[0], rank = w[1], where = w[2], seen = w[3];
+  switch (code) {
+    case 0: return "";
+    case detail::kWaitRingSlot:
+      out << "rank " << rank << " timed out waiting for the down tiles of minibatch " << where
+          << " to free its ring slot (" << seen << " done)";
+      break;
+    case detail::kWaitRows:
+      out << "rank " << rank << " timed out waiting for the dispatch of minibatch " << where << " (" << seen
+          << " comm CTAs done)";
+      break;
+    case detail::kWaitHidden:
+      out << "rank " << rank << " timed out waiting for the gate/up tiles of row block " << where << " (" << seen
+          << " done)";
+      break;
+    case detail::kWaitBarrier:
+      out << "rank " << rank << " timed out at the start barrier waiting for rank " << where << " (saw epoch " << seen
+          << ", wanted " << epoch << "): that rank did not launch this call, or runs another one";
+      break;
+    case detail::kWaitCombine:
+      out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "
+          << seen << ", wanted " << epoch << ")";
+      break;
+    default:
+      out << "rank " << rank << ": " << status_message(code);
+  }
+  return out.str();
+}
+
+}  // namespace mok::cuda

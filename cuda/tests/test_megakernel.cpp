@@ -1,0 +1,311 @@
+// The fused forward (megakernel.h) against the CPU reference of the whole layer, with R ranks:
+// on one GPU (each rank its own stream and a share of the SMs, run concurrently) and on several
+// GPUs with peer access when the machine has them. Outputs are poisoned first; reruns and other
+// minibatch / ring / comm sizes must give the same bits; a rank that never launches must end in a
+// named timeout, not a hang.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "mok/core/bf16.h"
+#include "mok/core/compare.h"
+#include "mok/core/problem.h"
+#include "mok/core/reference.h"
+#include "mok/core/symmetric_layout.h"
+#include "mok/cuda/megakernel.h"
+
+namespace mok::test {
+namespace {
+
+struct RunConfig {
+  int64_t minibatch_rows = 128;
+  int64_t ring_slots = 2;
+  int comm_ctas = 0;
+  bool own_gpus = false;  // one GPU per rank (else every rank on GPU 0, sharing its SMs)
+  double timeout_s = 5.0;
+  std::vector<int> launch;  // ranks that launch (empty = all)
+};
+
+// Everything one rank owns on its device.
+struct Rank {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<DeviceBuffer<uint8_t>> symmetric;
+  std::unique_ptr<DeviceBuffer<uint16_t>> w_gate, w_up, w_down, ring_x, ring_h, gu, y;
+  std::unique_ptr<DeviceBuffer<int32_t>> offsets, rows, src_rank, src_slot, status;
+  std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
+  std::unique_ptr<DeviceBuffer<cuda::RoutingStatus>> routing_status;
+  std::unique_ptr<DeviceBuffer<uint32_t>> counters;
+};
+
+struct Outputs {
+  std::vector<std::vector<uint16_t>> y;       // [R][T*H]
+  std::vector<std::vector<uint16_t>> gu;      // [R][rows*2I], rows [0, offsets[El])
+  std::vector<std::string> errors;            // per rank, "" = fine
+};
+
+int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+template <class T>
+std::vector<T> slice(const std::vector<T>& v, size_t begin, size_t count) {
+  return std::vector<T>(v.begin() + begin, v.begin() + begin + count);
+}
+
+// Runs the forward `runs` times (epochs 1..runs) on the inputs; returns the last run's outputs.
+Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int runs) {
+  const MoeDesc& d = in.desc;
+  const int R = int(d.ranks);
+  const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk, El = d.local_experts();
+  cuda::RoutingShape shape{R, T, k, d.num_experts};
+  const int64_t capacity = cuda::routed_row_capacity(shape);
+  const SymmetricLayout layout = SymmetricLayout::make(T, H, k, R);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  // Ranks sharing one GPU split its SMs and leave one per rank free: a rank's small kernels (its
+  // combine wait spins until the others finish) must not hold an SM another rank's megakernel needs.
+  const int ctas = cfg.own_gpus || R == 1 ? sms : sms / R - 1;
+
+  std::vector<Rank> ranks(R);
+  std::vector<void*> bases(R);
+  for (int r = 0; r < R; ++r) {
+    Rank& rk = ranks[r];
+    rk.device = cfg.own_gpus ? r : 0;
+    cudaSetDevice(rk.device);
+    cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking);
+    rk.symmetric = std::make_unique<DeviceBuffer<uint8_t>>(layout.total);
+    cudaMemset(rk.symmetric->ptr, 0, layout.total);
+    bases[r] = rk.symmetric->ptr;
+    auto bf = [](int64_t n) { return std::make_unique<DeviceBuffer<uint16_t>>(size_t(n)); };
+    rk.w_gate = bf(El * I * H);
+    rk.w_up = bf(El * I * H);
+    rk.w_down = bf(El * H * I);
+    rk.w_gate->upload(to_bits(slice(in.routed.gate, r * El * I * H, El * I * H)));
+    rk.w_up->upload(to_bits(slice(in.routed.up, r * El * I * H, El * I * H)));
+    rk.w_down->upload(to_bits(slice(in.routed.down, r * El * H * I, El * H * I)));
+    const int64_t ring = cfg.minibatch_rows * cfg.ring_slots;
+    rk.ring_x = bf(ring * H);
+    rk.ring_h = bf(ring * I);
+    rk.gu = bf(capacity * 2 * I);
+    rk.y = bf(T * H);
+    rk.gu->poison();
+    rk.y->poison();
+    rk.ring_x->poison();
+    rk.ring_h->poison();
+    auto i32 = [](int64_t n) { return std::make_unique<DeviceBuffer<int32_t>>(size_t(n)); };
+    rk.offsets = i32(El + 1);
+    rk.rows = i32(El);
+    rk.src_rank = i32(capacity);
+    rk.src_slot = i32(capacity);
+    rk.status = i32(4);
+    cudaMemset(rk.status->ptr, 0, 16);
+    rk.workspace = std::make_unique<DeviceBuffer<uint8_t>>(size_t(cuda::schedule_workspace_bytes(shape)));
+    rk.routing_status = std::make_unique<DeviceBuffer<cuda::RoutingStatus>>(1);
+    cudaMemset(rk.routing_status->ptr, 0, sizeof(cuda::RoutingStatus));
+    rk.counters = std::make_unique<DeviceBuffer<uint32_t>>(
+        size_t(cuda::megakernel_counter_words(capacity, cfg.minibatch_rows)));
+    // The rank's inputs in its symmetric buffer.
+    std::vector<uint16_t> x = to_bits(in.x[r]);
+    cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.x), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.topk_idx), in.topk_idx[r].data(), T * k * 4,
+               cudaMemcpyHostToDevice);
+    cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.topk_w), in.topk_w[r].data(), T * k * 4,
+               cudaMemcpyHostToDevice);
+  }
+  if (cfg.own_gpus) {
+    for (int r = 0; r < R; ++r) {
+      cudaSetDevice(r);
+      for (int s = 0; s < R; ++s)
+        if (s != r) cudaDeviceEnablePeerAccess(s, 0);
+    }
+    cudaGetLastError();  // "already enabled" is fine
+  }
+  std::vector<bool> launches(R, cfg.launch.empty());
+  for (int r : cfg.launch) launches[r] = true;
+
+  Outputs out;
+  out.errors.assign(R, "");
+  for (int run = 1; run <= runs; ++run) {
+    for (int r = 0; r < R; ++r) {
+      if (!launches[r]) continue;
+      Rank& rk = ranks[r];
+      cudaSetDevice(rk.device);
+      cuda::MoeForwardArgs a;
+      a.shape = shape;
+      a.rank = r;
+      a.hidden = H;
+      a.intermediate = I;
+      a.layout = layout;
+      a.bases = bases.data();
+      a.w_gate = rk.w_gate->ptr;
+      a.w_up = rk.w_up->ptr;
+      a.w_down = rk.w_down->ptr;
+      a.expert_offsets = rk.offsets->ptr;
+      a.expert_rows = rk.rows->ptr;
+      a.src_rank = rk.src_rank->ptr;
+      a.src_slot = rk.src_slot->ptr;
+      a.row_capacity = capacity;
+      a.schedule_workspace = rk.workspace->ptr;
+      a.routing_status = rk.routing_status->ptr;
+      a.minibatch_rows = cfg.minibatch_rows;
+      a.ring_rows = cfg.minibatch_rows * cfg.ring_slots;
+      a.ring_x = rk.ring_x->ptr;
+      a.ring_h = rk.ring_h->ptr;
+      a.gu = rk.gu->ptr;
+      a.counters = rk.counters->ptr;
+      a.y = rk.y->ptr;
+      a.epoch = uint32_t(run);
+      a.comm_ctas = cfg.comm_ctas;
+      a.num_sms = ctas;
+      a.swiglu_limit = d.swiglu_limit;
+      a.status = rk.status->ptr;
+      a.timeout_s = cfg.timeout_s;
+      cuda::moe_forward(a, rk.stream);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (!launches[r]) continue;
+      cudaSetDevice(ranks[r].device);
+      const cudaError_t e = cudaStreamSynchronize(ranks[r].stream);
+      if (e != cudaSuccess) out.errors[r] = std::string("CUDA error: ") + cudaGetErrorString(e);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Rank& rk = ranks[r];
+    cudaSetDevice(rk.device);
+    if (launches[r] && out.errors[r].empty()) {
+      const std::vector<int32_t> words = rk.status->download();
+      out.errors[r] = cuda::describe_wait_status(words.data(), uint32_t(runs));
+      cuda::RoutingStatus rs;
+      cudaMemcpy(&rs, rk.routing_status->ptr, sizeof(rs), cudaMemcpyDeviceToHost);
+      const std::string bad = cuda::describe(rs, shape);
+      if (!bad.empty()) out.errors[r] += bad;
+    }
+    out.y.push_back(rk.y->download());
+    const std::vector<int32_t> offsets = rk.offsets->download();
+    std::vector<uint16_t> gu = rk.gu->download();
+    gu.resize(size_t(std::max(0, offsets[El])) * 2 * I);
+    out.gu.push_back(gu);
+    cudaStreamDestroy(rk.stream);
+  }
+  return out;
+}
+
+struct Case {
+  const char* name;
+  MoeDesc desc;
+  RoutingKind routing;
+};
+
+MoeDesc desc(int64_t R, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k) {
+  MoeDesc d;
+  d.ranks = R;
+  d.tokens_per_rank = T;
+  d.hidden = H;
+  d.intermediate = I;
+  d.num_experts = E;
+  d.topk = k;
+  return d;
+}
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+class Megakernel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Megakernel, MatchesTheReferenceAndIsBitwiseStable) {
+  const Case& c = GetParam();
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const auto in = make_inputs<float>(c.desc, c.routing, 1234, true);
+  const auto ref = ref::layer_forward(in, ref::Rounding::bf16);
+  RunConfig base;
+  const Outputs first = run_forward(in, base, 3);  // reruns: epochs 1..3 over the same buffers
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    ASSERT_EQ(first.errors[r], "") << "rank " << r;
+    const Comparison cmp = compare(from_bits(first.y[r]), ref.y[r]);
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe("y rank " + std::to_string(r));
+    std::printf("[ %s ] rank %d rel error y %.2e\n", c.name, r, cmp.rel_error);
+  }
+  // Other minibatch, ring and comm sizes, and one more fresh run: the same bits.
+  std::vector<RunConfig> others(3);
+  others[0].minibatch_rows = 256, others[0].ring_slots = 1, others[0].comm_ctas = 1;
+  others[1].minibatch_rows = 128, others[1].ring_slots = 64, others[1].comm_ctas = 5;
+  others[2].minibatch_rows = 384, others[2].ring_slots = 3;
+  for (const RunConfig& cfg : others) {
+    const Outputs again = run_forward(in, cfg, 1);
+    for (int r = 0; r < c.desc.ranks; ++r) {
+      ASSERT_EQ(again.errors[r], "") << "rank " << r;
+      EXPECT_EQ(first_bit_difference(again.y[r], first.y[r]), -1)
+          << "y rank " << r << " differs with minibatch " << cfg.minibatch_rows << " x " << cfg.ring_slots << " slots";
+      EXPECT_EQ(first_bit_difference(again.gu[r], first.gu[r]), -1)
+          << "g|u rank " << r << " differs with minibatch " << cfg.minibatch_rows;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gpu, Megakernel,
+    ::testing::Values(Case{"R1_balanced", desc(1, 300, 512, 256, 16, 4), RoutingKind::balanced},
+                      Case{"R1_zipf_odd_widths", desc(1, 257, 520, 200, 8, 2), RoutingKind::zipf},
+                      Case{"R2_uniform", desc(2, 300, 512, 256, 16, 4), RoutingKind::uniform},
+                      Case{"R2_one_expert_rank1_gets_nothing", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
+                      Case{"R2_one_token", desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
+                      Case{"R4_zipf", desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
+                      Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(MegakernelPeers, TwoGpusMatchOneGpuBitwise) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  int can = 0;
+  cudaDeviceCanAccessPeer(&can, 0, 1);
+  if (!can) GTEST_SKIP() << "GPUs 0 and 1 have no peer access";
+  const MoeDesc d = desc(2, 1000, 1024, 512, 16, 4);
+  const auto in = make_inputs<float>(d, RoutingKind::zipf, 99, true);
+  const auto ref = ref::layer_forward(in, ref::Rounding::bf16);
+  RunConfig two;
+  two.own_gpus = true;
+  const Outputs a = run_forward(in, two, 3);
+  const Outputs b = run_forward(in, RunConfig{}, 1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(a.errors[r], "") << "rank " << r;
+    const Comparison cmp = compare(from_bits(a.y[r]), ref.y[r]);
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe("y rank " + std::to_string(r));
+    std::printf("[ two GPUs ] rank %d rel error y %.2e\n", r, cmp.rel_error);
+    EXPECT_EQ(first_bit_difference(a.y[r], b.y[r]), -1) << "rank " << r;
+  }
+}
+
+TEST(MegakernelErrors, APeerThatNeverLaunchesIsANamedTimeout) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
+  RunConfig only0;
+  only0.launch = {0};
+  only0.timeout_s = 0.2;
+  const Outputs out = run_forward(in, only0, 1);
+  EXPECT_NE(out.errors[0].find("rank 0 timed out at the start barrier waiting for rank 1"), std::string::npos)
+      << out.errors[0];
+}
+
+TEST(MegakernelErrors, BadArgumentsAreNamed) {
+  cuda::MoeForwardArgs a;
+  a.shape = {2, 16, 2, 8};
+  a.rank = 2;
+  a.hidden = 100;
+  a.intermediate = 64;
+  a.minibatch_rows = 100;
+  const std::string why = cuda::can_implement(a);
+  EXPECT_NE(why.find("rank 2 is not in [0, 2)"), std::string::npos) << why;
+  EXPECT_NE(why.find("hidden must be a positive multiple of 8, got 100"), std::string::npos) << why;
+  EXPECT_NE(why.find("minibatch_rows must be a positive multiple of 128, got 100"), std::string::npos) << why;
+  EXPECT_NE(why.find("symmetric layout"), std::string::npos) << why;
+}
+
+}  // namespace
+}  // namespace mok::test
