@@ -107,6 +107,14 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
   const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+  // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
+  // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
+  preload_routing_kernels();
+  auto kernel = detail::megakernel_forward_kernel;
+  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
 
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
@@ -182,9 +190,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
     p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.combine);
     p.arrived[s] = signal_word(a.bases[s], l.combine_arrived(me));
   }
-  auto kernel = detail::megakernel_forward_kernel;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
   kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "launch the megakernel");
 

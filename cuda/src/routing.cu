@@ -363,6 +363,19 @@ void dispatch_grad_epilogue(const DispatchGradArgs& a, cudaStream_t stream) {
   launch_epilogue(false, p, a.num_sms, stream);
 }
 
+void preload_routing_kernels() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, detail::schedule_count_kernel), "load schedule kernels");
+  check(cudaFuncGetAttributes(&attr, detail::schedule_scan_kernel), "load schedule kernels");
+  check(cudaFuncGetAttributes(&attr, detail::schedule_offsets_kernel), "load schedule kernels");
+  check(cudaFuncGetAttributes(&attr, detail::schedule_place_kernel), "load schedule kernels");
+  check(cudaFuncGetAttributes(&attr, detail::gather_rows_kernel), "load row kernels");
+  check(cudaFuncGetAttributes(&attr, detail::scatter_rows_kernel), "load row kernels");
+  check(cudaFuncGetAttributes(&attr, detail::scatter_row_values_kernel), "load row kernels");
+  check(cudaFuncGetAttributes(&attr, detail::epilogue_kernel<true>), "load epilogue kernels");
+  check(cudaFuncGetAttributes(&attr, detail::epilogue_kernel<false>), "load epilogue kernels");
+}
+
 namespace {
 __global__ void copy_bytes_kernel(uint4* __restrict__ dst, const uint4* __restrict__ src, int64_t n) {
   // Four independent 16-byte loads in flight per thread before their stores (peer reads are long).

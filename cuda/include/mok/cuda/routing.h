@@ -160,6 +160,13 @@ struct DispatchGradArgs {
 std::string can_implement(const DispatchGradArgs& args);
 void dispatch_grad_epilogue(const DispatchGradArgs& args, cudaStream_t stream);
 
+// Loads every routing kernel on the current device now. With CUDA's lazy module loading (the
+// default) the first launch of a kernel loads its module, and that can wait for the kernels
+// already running on the device; a caller that launches a spinning kernel (the megakernel's start
+// barrier) and then, from the same host thread, kernels not yet loaded could block the host until
+// the spin times out. Cheap after the first call.
+void preload_routing_kernels();
+
 // ---- Raw copies (the NVLink ceilings of the benchmark harness: dst or src may be a peer address) ----
 // dst[0, bytes) = src[0, bytes) with 16-byte loads and stores by SMs (not the copy engine), on
 // `blocks` CTAs (0 = two per SM). Both pointers and `bytes` must be multiples of 16.
