@@ -236,7 +236,7 @@ def _check(runner: Runner, setup: CaseSetup, with_backward: bool) -> dict[str, f
     """Relative L2 error of the output (and gradients) against the reference, per tensor."""
     state = runner.forward()
     errors = {"y": relative_error(runner.output(state), setup.expected.y)}
-    if with_backward:
+    if with_backward and runner.backward is not None:
         grads = runner.backward(state)
         kept = setup.expected.weight_grad_experts
         for name, grad in zip(setup.grad_names, grads):
@@ -371,6 +371,13 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
                 row["skip_reason" if check_step.status == SKIPPED else "error"] = check_step.message
                 rows.append(row)
                 progress.update(1)
+                continue
+            if pass_name != "forward" and runner is not None and runner.backward is None:
+                row["status"] = "skipped"
+                row["skip_reason"] = runner.no_backward_reason or "no backward"
+                rows.append(row)
+                progress.update(1)
+                _log_row(case, row)
                 continue
             row["correct"] = correct
             row["check_errors"] = {k: _finite_or_none(v) for k, v in errors.items()}

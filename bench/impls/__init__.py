@@ -37,7 +37,10 @@ class Runner:
 
     forward: Callable[[], Any]
     output: Callable[[Any], torch.Tensor]
-    backward: Callable[[Any], Sequence[torch.Tensor | None]]
+    backward: Callable[[Any], Sequence[torch.Tensor | None]] | None
+    # Why there is no backward (backward is None): its rows are skipped with this reason, the
+    # forward is still checked and timed.
+    no_backward_reason: str = ""
 
 
 @dataclass

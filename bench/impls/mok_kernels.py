@@ -1,9 +1,10 @@
-"""Our kernels, through the ``mok`` package: skipped with a message until its GPU ops are importable.
+"""Our kernels through their C API (``libmok_cuda_capi.so``, loaded by ``mok._cuda_kernels``).
 
-The layer adapter follows the functional API of the reference system (``get_workspace`` ->
-``build_schedule`` -> ``forward`` -> ``backward``, REFERENCE.md §1.1), which DESIGN.md plans for
-``mok.functional``; when the real API lands, adjust ``_layer_runner`` (and add ``_experts_runner``)
-and nothing else in the harness. Anything the adapter cannot find is a Skip with the reason.
+- ``layer``: the fused forward (the megakernel with its barrier, schedule and combine) over one
+  torch symmetric-memory buffer per rank; the backward is not fused yet, so its rows are skipped.
+- ``experts``: the sm_90a expert GEMMs, forward and backward, on pre-grouped rows.
+
+Skipped with the reason where the library is not built or there is no sm_90a GPU.
 """
 
 from __future__ import annotations
@@ -14,60 +15,88 @@ from typing import Any
 import torch
 
 from . import BenchContext, Runner, Skip, register_impl
+from ._common import shared_expert
 
-LAYER_API = ("get_workspace", "build_schedule", "forward", "backward")
-EXPERTS_API = ("expert_mlp_forward", "expert_mlp_backward")
-
-
-def _mok_functional(required: tuple[str, ...]) -> ModuleType:
-    try:
-        import mok.functional as functional  # type: ignore[import-not-found]
-    except Exception as exc:  # not built, or built without GPU ops
-        raise Skip(f"mok GPU ops not importable ({type(exc).__name__}: {exc})") from None
-    missing = [name for name in required if not hasattr(functional, name)]
-    if missing:
-        raise Skip(f"mok.functional has no {', '.join(missing)} yet")
-    return functional
+SYMM_KEY = "mok.symmetric"
 
 
-@register_impl("mok", "layer", is_baseline=False, description="MoK megakernel (mok.functional)")
+def _layer_symmetric_bytes(case: Any, kernels: ModuleType) -> int:
+    from ..presets import get_preset
+
+    preset = get_preset(case.preset)
+    return kernels.symmetric_layout(case.tokens_per_rank or 0, preset.H, preset.topk, case.ranks)["total"]
+
+
+def _symmetric(problem: Any, ctx: BenchContext, kernels: ModuleType) -> tuple[torch.Tensor, list[int]]:
+    """One symmetric buffer for every mok case of the run, sized for the largest (allocated once and
+    kept: freeing symmetric memory may be collective)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    need = _layer_symmetric_bytes(problem.case, kernels)
+    held = ctx.resources.get(SYMM_KEY)
+    if held is None:
+        sizes = [_layer_symmetric_bytes(c, kernels) for c in ctx.cases
+                 if c.kind == "layer" and c.ranks == ctx.runtime.world_size]
+        total = max(sizes + [need])
+        try:
+            symm_mem.enable_symm_mem_for_group(ctx.runtime.group.group_name)
+        except Exception:  # not needed on newer torch
+            pass
+        buffer = symm_mem.empty(total, dtype=torch.uint8, device=ctx.runtime.device).zero_()
+        handle = symm_mem.rendezvous(buffer, ctx.runtime.group)
+        held = (buffer, [int(handle.buffer_ptrs[r]) for r in range(ctx.runtime.world_size)], handle)
+        ctx.resources[SYMM_KEY] = held
+        ctx.runtime.barrier()
+    if need > held[0].numel():
+        raise Skip(f"needs {need / 1e9:.1f} GB of symmetric memory, {held[0].numel() / 1e9:.1f} GB allocated")
+    return held[0], held[1]
+
+
+@register_impl("mok", "layer", is_baseline=False, description="MoK fused forward (megakernel) over symmetric memory")
 def build_layer(problem: Any, ctx: BenchContext) -> Runner:
+    """The fused forward through the C API: every rank writes x, topk_idx and topk_w into its
+    symmetric buffer and makes one call (barrier, schedule, megakernel, combine); the shared expert
+    runs in torch before it. The backward is not fused yet (Skip)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
-    # The package's ops raise NotImplementedError on CUDA tensors until the megakernel lands; the
-    # adapter below follows the reference system's argument order and must be moved to mok's
-    # functional API (mok.get_workspace / build_schedule / forward / backward) when it does.
-    raise Skip("the MoK layer on the GPU (the megakernel) has not landed yet")
-
-
-def _layer_runner(functional: ModuleType, problem: Any, ctx: BenchContext) -> Runner:
+    if problem.case.precision != "bf16":
+        raise Skip(f"precision {problem.case.precision} not implemented yet")
+    kernels = _cuda_kernels()
     p = problem
-    config = functional.MoKConfig() if hasattr(functional, "MoKConfig") else None
-    workspace = functional.get_workspace(
-        config, ctx.runtime.group, device=p.x.device, num_local_tokens=p.x.shape[0],
-        hidden_size=p.preset.H, topk=p.preset.topk,
-    )
-    # Argument order of the reference API: shared gate, up, down, then routed gate, up, down.
-    shared = tuple(w.detach() for w in p.shared) if p.shared is not None else (None, None, None)
-    weights = (*shared, p.w_gate.detach(), p.w_up.detach(), p.w_down.detach())
+    T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
+    buffer, bases = _symmetric(p, ctx, kernels)
+    layout = kernels.symmetric_layout(T, H, k, R)
 
-    def forward() -> Any:
-        schedule = functional.build_schedule(workspace, config, p.topk_idx, num_local_experts=p.local_experts)
-        y, fwd_ctx = functional.forward(
-            config, workspace, schedule, p.x.detach(), p.topk_w.detach(), *weights, swiglu_limit=p.swiglu_limit
-        )
-        return y, schedule, fwd_ctx
+    def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        return buffer[layout[name]: layout[name] + nbytes].view(dtype).view(shape)
 
-    def backward(state: Any) -> list[torch.Tensor | None]:
-        _, schedule, fwd_ctx = state
-        (d_x, d_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down) = functional.backward(
-            config, workspace, schedule, fwd_ctx, p.d_y, p.x.detach(), p.topk_w.detach(), *weights,
-            swiglu_limit=p.swiglu_limit,
-        )
-        grads = [d_x, d_w, d_gate, d_up, d_down]
-        return grads + ([d_s_gate, d_s_up, d_s_down] if p.shared is not None else [])
+    x_in = view("x", torch.bfloat16, (T, H))
+    idx_in = view("topk_idx", torch.int32, (T, k))
+    w_in = view("topk_w", torch.float32, (T, k))
+    fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
+                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit)
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
+    w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
+    shared = tuple(w.detach() for w in p.shared) if p.shared is not None else None
 
-    return Runner(forward=forward, output=lambda state: state[0], backward=backward)
+    def forward() -> torch.Tensor:
+        x_in.copy_(p.x.detach())
+        idx_in.copy_(p.topk_idx)
+        w_in.copy_(p.topk_w.detach())
+        y_shared = shared_expert(p.x.detach(), shared, p.swiglu_limit)
+        fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared)
+        return y
+
+    def output(state: torch.Tensor) -> torch.Tensor:
+        fused.check()  # a timed-out wait or a bad expert id is an error, not a number
+        return state
+
+    return Runner(forward=forward, output=output, backward=None,
+                  no_backward_reason="the fused backward has not landed yet")
 
 
 def _cuda_kernels() -> ModuleType:

@@ -6,7 +6,16 @@
 #include <exception>
 #include <optional>
 
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "mok/core/planner.h"
+#include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/megakernel.h"
 #include "mok/cuda/routing.h"
 
 namespace {
@@ -16,6 +25,30 @@ void write_error(const std::exception& e, char* error, int error_len) {
     error[error_len - 1] = '\0';
   }
 }
+// One rank's fused forward: the planner's sizes and every local buffer, allocated once at creation
+// (nothing is allocated per call). The symmetric buffers (one per rank, SymmetricLayout) belong to
+// the caller (torch symmetric memory); their addresses come with every call.
+struct ForwardHandle {
+  mok::cuda::MoeForwardArgs args;
+  mok::MoeConfig config;
+  void* memory = nullptr;  // one cudaMalloc for all local buffers
+  int device = 0;
+
+  ~ForwardHandle() {
+    if (memory != nullptr) {
+      int current = 0;
+      cudaGetDevice(&current);
+      cudaSetDevice(device);
+      cudaFree(memory);
+      cudaSetDevice(current);
+    }
+  }
+};
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 extern "C" {
@@ -109,6 +142,148 @@ int mok_cuda_copy_bytes(void* dst, const void* src, int64_t bytes, int blocks, v
 }
 
 int64_t mok_cuda_dw_partial_blocks(int64_t intermediate) { return mok::cuda::dw_partial_blocks(intermediate); }
+
+// The symmetric buffer layout (SymmetricLayout) as 9 int64: total, x, topk_idx, topk_w, combine,
+// dy, dx_slots, dw_slots, signals.
+void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int64_t ranks, int64_t* out) {
+  const mok::SymmetricLayout l = mok::SymmetricLayout::make(tokens, hidden, topk, ranks);
+  const int64_t values[9] = {l.total, l.x, l.topk_idx, l.topk_w, l.combine, l.dy, l.dx_slots, l.dw_slots, l.signals};
+  for (int i = 0; i < 9; ++i) out[i] = values[i];
+}
+
+// Creates rank `rank`'s fused forward on the current device. Plan overrides: 0 = the planner's
+// choice. `plan_text` (optional) receives the planner's explanation. Returns null on error.
+void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64_t hidden, int64_t intermediate,
+                              int64_t num_experts, int64_t topk, int has_limit, float limit, int comm_sms,
+                              int64_t minibatch_rows, int64_t ring_rows, double timeout_s, char* plan_text,
+                              int plan_len, char* error, int error_len) {
+  try {
+    mok::MoeDesc d;
+    d.ranks = ranks;
+    d.tokens_per_rank = tokens;
+    d.hidden = hidden;
+    d.intermediate = intermediate;
+    d.num_experts = num_experts;
+    d.topk = topk;
+    if (has_limit) d.swiglu_limit = limit;
+    d.validate();
+    mok::PlanOverrides o;
+    if (comm_sms > 0) o.comm_sms = comm_sms;
+    if (minibatch_rows > 0) o.minibatch_rows = minibatch_rows;
+    if (ring_rows > 0) o.ring_rows = ring_rows;
+    auto h = std::make_unique<ForwardHandle>();
+    cuda_check(cudaGetDevice(&h->device), "cudaGetDevice");
+    mok::DeviceFacts facts = mok::DeviceFacts::h200();
+    cuda_check(cudaDeviceGetAttribute(&facts.sm_count, cudaDevAttrMultiProcessorCount, h->device), "SM count");
+    h->config = mok::plan(d, facts, o);
+    const mok::MoeConfig& c = h->config;
+    mok::cuda::MoeForwardArgs& a = h->args;
+    a.shape = {ranks, tokens, topk, num_experts};
+    a.rank = rank;
+    a.hidden = hidden;
+    a.intermediate = intermediate;
+    a.layout = mok::SymmetricLayout::make(tokens, hidden, topk, ranks);
+    a.row_capacity = mok::cuda::routed_row_capacity(a.shape);
+    a.minibatch_rows = c.minibatch_rows;
+    a.ring_rows = c.ring_rows;
+    a.comm_ctas = c.comm_sms;
+    a.num_sms = facts.sm_count;
+    if (has_limit) a.swiglu_limit = limit;
+    a.timeout_s = timeout_s;
+    // One allocation, carved into 256-byte aligned pieces.
+    const int64_t El = a.shape.local_experts(), cap = a.row_capacity;
+    int64_t at = 0;
+    auto take = [&](int64_t bytes) {
+      const int64_t offset = at;
+      at += (bytes + 255) / 256 * 256;
+      return offset;
+    };
+    const int64_t o_offsets = take((El + 1) * 4), o_rows = take(El * 4), o_src_rank = take(cap * 4),
+                  o_src_slot = take(cap * 4), o_ws = take(mok::cuda::schedule_workspace_bytes(a.shape)),
+                  o_rstatus = take(sizeof(mok::cuda::RoutingStatus)), o_ring_x = take(a.ring_rows * hidden * 2),
+                  o_ring_h = take(a.ring_rows * intermediate * 2),
+                  o_counters = take(mok::cuda::megakernel_counter_words(cap, a.minibatch_rows) * 4),
+                  o_status = take(16);
+    cuda_check(cudaMalloc(&h->memory, std::max<int64_t>(at, 256)), "allocate the forward's buffers");
+    cuda_check(cudaMemset(h->memory, 0, std::max<int64_t>(at, 256)), "zero the forward's buffers");
+    char* base = static_cast<char*>(h->memory);
+    a.expert_offsets = reinterpret_cast<int32_t*>(base + o_offsets);
+    a.expert_rows = reinterpret_cast<int32_t*>(base + o_rows);
+    a.src_rank = reinterpret_cast<int32_t*>(base + o_src_rank);
+    a.src_slot = reinterpret_cast<int32_t*>(base + o_src_slot);
+    a.schedule_workspace = base + o_ws;
+    a.routing_status = reinterpret_cast<mok::cuda::RoutingStatus*>(base + o_rstatus);
+    a.ring_x = base + o_ring_x;
+    a.ring_h = base + o_ring_h;
+    a.counters = reinterpret_cast<uint32_t*>(base + o_counters);
+    a.status = reinterpret_cast<int32_t*>(base + o_status);
+    a.epoch = 0;
+    if (plan_text != nullptr && plan_len > 0) {
+      std::ostringstream text;
+      text << "comm CTAs " << a.comm_ctas << ", minibatch " << a.minibatch_rows << " rows, ring " << a.ring_rows
+           << " rows, row capacity " << cap << ", local buffers " << at << " bytes\n" << c.explanation;
+      std::strncpy(plan_text, text.str().c_str(), size_t(plan_len - 1));
+      plan_text[plan_len - 1] = '\0';
+    }
+    return h.release();
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return nullptr;
+  }
+}
+
+void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>(handle); }
+
+// One call of the fused forward (megakernel.h: moe_forward). bases: R device addresses of every
+// rank's symmetric buffer as seen from this device; gu (optional) [row_capacity, 2I] bf16 and
+// y_shared (optional) [T, H] bf16. Every rank must make the same sequence of calls.
+int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
+                         const void* y_shared, void* y, void* gu, void* stream, char* error, int error_len) {
+  try {
+    auto* h = static_cast<ForwardHandle*>(handle);
+    void* table[mok::cuda::kMaxRanks];
+    for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
+    mok::cuda::MoeForwardArgs a = h->args;
+    a.bases = table;
+    a.w_gate = w_gate;
+    a.w_up = w_up;
+    a.w_down = w_down;
+    a.y_shared = y_shared;
+    a.y = y;
+    a.gu = gu;
+    a.epoch = ++h->args.epoch;
+    mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
+int64_t mok_cuda_forward_row_capacity(void* handle) { return static_cast<ForwardHandle*>(handle)->args.row_capacity; }
+
+// Synchronizes the device and describes the sticky status of every call so far ("" = fine).
+// Returns 0 when fine, 1 when a call failed (the message says which wait or which expert id).
+int mok_cuda_forward_check(void* handle, char* message, int message_len) {
+  auto* h = static_cast<ForwardHandle*>(handle);
+  std::string text;
+  try {
+    int32_t words[4] = {0, 0, 0, 0};
+    cuda_check(cudaMemcpy(words, h->args.status, sizeof words, cudaMemcpyDeviceToHost), "read the status");
+    text = mok::cuda::describe_wait_status(words, h->args.epoch);
+    mok::cuda::RoutingStatus rs;
+    cuda_check(cudaMemcpy(&rs, h->args.routing_status, sizeof rs, cudaMemcpyDeviceToHost), "read the routing status");
+    const std::string bad = mok::cuda::describe(rs, h->args.shape);
+    if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
+  } catch (const std::exception& e) {
+    text = e.what();
+  }
+  if (message != nullptr && message_len > 0) {
+    std::strncpy(message, text.c_str(), size_t(message_len - 1));
+    message[message_len - 1] = '\0';
+  }
+  return text.empty() ? 0 : 1;
+}
 
 const char* mok_cuda_status_message(int code) { return mok::cuda::status_message(code); }
 

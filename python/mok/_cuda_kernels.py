@@ -37,6 +37,21 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_copy_bytes.restype = ctypes.c_int
     lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_symmetric_layout.restype = None
+    lib.mok_cuda_symmetric_layout.argtypes = [ctypes.c_int64] * 4 + [ctypes.POINTER(ctypes.c_int64)]
+    lib.mok_cuda_forward_create.restype = ctypes.c_void_p
+    lib.mok_cuda_forward_create.argtypes = [ctypes.c_int64] * 7 + [
+        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
+        ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_forward_destroy.restype = None
+    lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
+    lib.mok_cuda_forward_run.restype = ctypes.c_int
+    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 8 + [
+        ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
+    lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
+    lib.mok_cuda_forward_check.restype = ctypes.c_int
+    lib.mok_cuda_forward_check.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_dw_partial_blocks.restype = ctypes.c_int64
     lib.mok_cuda_dw_partial_blocks.argtypes = [ctypes.c_int64]
     lib.mok_cuda_row_align.restype = ctypes.c_int
@@ -152,3 +167,80 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int, blocks: int = 0) -> None
                                     error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
+
+
+LAYOUT_FIELDS = ("total", "x", "topk_idx", "topk_w", "combine", "dy", "dx_slots", "dw_slots", "signals")
+
+
+def symmetric_layout(tokens: int, hidden: int, topk: int, ranks: int) -> dict[str, int]:
+    """Byte offsets of one rank's symmetric buffer (mok::SymmetricLayout) and its total size."""
+    out = (ctypes.c_int64 * len(LAYOUT_FIELDS))()
+    _lib().mok_cuda_symmetric_layout(tokens, hidden, topk, ranks, out)
+    return dict(zip(LAYOUT_FIELDS, list(out)))
+
+
+class FusedForward:
+    """One rank's fused MoE forward (the megakernel with its schedule, barrier and combine).
+
+    Local buffers are allocated once here, on the current device; the symmetric buffers (one per
+    rank, laid out by :func:`symmetric_layout`) belong to the caller, whose x, topk_idx (int32) and
+    topk_w must be written into this rank's before every :meth:`run`. Every rank of the group
+    must make the same sequence of calls. Errors of a call (a rank that never came, a bad expert
+    id) are sticky and reported by :meth:`check`, which synchronizes.
+    """
+
+    def __init__(self, *, ranks: int, rank: int, tokens: int, hidden: int, intermediate: int, num_experts: int,
+                 topk: int, swiglu_limit: float | None = None, comm_sms: int = 0, minibatch_rows: int = 0,
+                 ring_rows: int = 0, timeout_s: float = 10.0) -> None:
+        self._handle = None
+        plan = ctypes.create_string_buffer(4096)
+        error = ctypes.create_string_buffer(512)
+        handle = _lib().mok_cuda_forward_create(
+            ranks, rank, tokens, hidden, intermediate, num_experts, topk, int(swiglu_limit is not None),
+            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, timeout_s, plan, len(plan), error,
+            len(error))
+        if not handle:
+            raise ValueError(error.value.decode())
+        self._handle = handle
+        self.plan = plan.value.decode()
+        self.ranks, self.tokens, self.hidden, self.intermediate = ranks, tokens, hidden, intermediate
+        self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
+
+    def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
+            *, y_shared: torch.Tensor | None = None, gu: torch.Tensor | None = None) -> None:
+        """Asynchronous on the current stream. bases: every rank's symmetric buffer address."""
+        T, H, I = self.tokens, self.hidden, self.intermediate
+        El = w_gate.shape[0]
+        bf16 = torch.bfloat16
+        specs = [("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16),
+                 ("w_down", w_down, (El, H, I), bf16), ("y", y, (T, H), bf16)]
+        if y_shared is not None:
+            specs.append(("y_shared", y_shared, (T, H), bf16))
+        if gu is not None:
+            specs.append(("gu", gu, (self.row_capacity, 2 * I), bf16))
+        _check_tensors(tuple(specs))
+        if len(bases) != self.ranks:
+            raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
+        table = (ctypes.c_int64 * self.ranks)(*bases)
+        error = ctypes.create_string_buffer(512)
+        rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
+                                         _ptr(y), _ptr(gu), torch.cuda.current_stream().cuda_stream, error, len(error))
+        if rc != 0:
+            raise ValueError(error.value.decode())
+
+    def check(self) -> None:
+        """Raises RuntimeError naming the rank and the wait (or the bad expert id) if a call failed."""
+        message = ctypes.create_string_buffer(1024)
+        if _lib().mok_cuda_forward_check(self._handle, message, len(message)) != 0:
+            raise RuntimeError(f"mok fused forward: {message.value.decode()}")
+
+    def close(self) -> None:
+        if self._handle:
+            _lib().mok_cuda_forward_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
