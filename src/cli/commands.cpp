@@ -183,10 +183,10 @@ bool check_against_bf16_reference(const ref::LayerForward<float>& gpu_fwd, const
 // The forward and backward on the GPU (all ranks on one device), checked against the CPU bf16
 // reference and the fp64 one.
 int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::vector<float>>& dy,
-                int64_t runs) {
+                int64_t runs, bool fused) {
   const MoeDesc& desc = inputs.desc;
   Progress progress(5, "mok run");
-  const CudaLayer gpu = cuda_layer(inputs, dy, runs);
+  const CudaLayer gpu = cuda_layer(inputs, dy, runs, fused);
   progress.step("forward and backward (cuda)");
   auto start = Clock::now();
   const auto fwd_cpu = ref::layer_forward(inputs, ref::Rounding::bf16);
@@ -218,6 +218,10 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
   std::printf("%-12s %-8s %12.3f %12.1f\n", "backward", "cuda", median(gpu.backward_ms),
               2 * fwd_flops / median(gpu.backward_ms) / 1e6);
   for (const auto& [stage, ms] : gpu.backward_stage_ms) std::printf("  %-10s %-8s %12.3f\n", stage.c_str(), "", ms);
+  if (gpu.fused_skipped.empty()) {
+    std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; %s)\n", "forward", "fused", median(gpu.fused_forward_ms),
+                routed / median(gpu.fused_forward_ms) / 1e6, gpu.fused_plan.c_str());
+  }
   std::printf("%-12s %-8s %12.2f %12.2f\n", "forward", "cpu ref", cpu_fwd_ms, fwd_flops / cpu_fwd_ms / 1e6);
   std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu ref", cpu_bwd_ms, 2 * fwd_flops / cpu_bwd_ms / 1e6);
 
@@ -228,6 +232,14 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
               static_cast<long long>(gpu.identical_runs), static_cast<long long>(runs),
               gpu.first_difference.empty() ? "" : "; ", gpu.first_difference.c_str());
   ok = ok && gpu.identical_runs == runs;
+  if (gpu.fused_skipped.empty()) {
+    std::printf("fused forward (megakernel): %lld of %lld runs bitwise equal to the staged forward%s%s\n",
+                static_cast<long long>(gpu.fused_identical_runs), static_cast<long long>(runs),
+                gpu.fused_difference.empty() ? "" : "; ", gpu.fused_difference.c_str());
+    ok = ok && gpu.fused_identical_runs == runs;
+  } else {
+    std::printf("fused forward (megakernel): not run: %s\n", gpu.fused_skipped.c_str());
+  }
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }
@@ -236,9 +248,12 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
 }  // namespace
 
 int run_command(const std::vector<std::string>& argv) {
-  const Args args(argv, {"preset", "ranks", "tokens", "routing", "backend", "threads", "runs", "seed", "limit"});
+  const Args args(argv,
+                  {"preset", "ranks", "tokens", "routing", "backend", "threads", "runs", "seed", "limit", "fused"});
   const ModelPreset& preset = find_preset(args.str("preset", "small"));
   MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 256));
+  const std::string fused = args.str("fused", "on");
+  MOK_REQUIRE(fused == "on" || fused == "off", "option --fused must be on or off, got '", fused, "'");
   if (args.has("limit")) {
     const std::string v = args.str("limit", "");
     char* end = nullptr;
@@ -267,7 +282,7 @@ int run_command(const std::vector<std::string>& argv) {
   const auto inputs = make_inputs<float>(desc, routing, seed, /*bf16_values=*/true);
   const auto dy = make_output_grad<float>(desc, seed, /*bf16_values=*/true);
 #ifdef MOK_WITH_CUDA
-  if (backend.name == "cuda") return run_on_cuda(inputs, dy, runs);
+  if (backend.name == "cuda") return run_on_cuda(inputs, dy, runs, fused == "on");
 #endif
   Progress progress(2 * runs + 2, "mok run");
 

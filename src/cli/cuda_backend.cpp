@@ -13,7 +13,9 @@
 #include "mok/core/compare.h"
 #include "mok/core/error.h"
 #include "mok/core/planner.h"
+#include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/megakernel.h"
 #include "mok/cuda/routing.h"
 
 namespace mok::cli {
@@ -300,7 +302,170 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   return why;
 }
 
-CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs) {
+// The fused forward of every rank (megakernel.h), ranks sharing this GPU: each on its own stream
+// with SMs / R - 1 CTAs (all of a rank's CTAs must be resident while it spins; the spare SM per
+// rank keeps the others' small kernels from holding one). Its y must equal the staged forward's
+// bit for bit (same tiles, k order and epilogues); the shared expert's output comes from the
+// staged run. Records why it did not run rather than failing the staged result.
+static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<RankBuffers>& ranks,
+                   const std::vector<std::vector<float>>& staged_y, int64_t runs, CudaLayer& out) {
+  const MoeDesc& d = in.desc;
+  const int R = static_cast<int>(d.ranks);
+  const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk, El = d.local_experts();
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  const int ctas = R == 1 ? sms : sms / R - 1;
+  if (ctas < 2) {
+    out.fused_skipped = std::to_string(R) + " ranks cannot share " + std::to_string(sms) + " SMs (2 CTAs each at least)";
+    return;
+  }
+  if (R > cuda::kMaxRanks) {
+    out.fused_skipped = "more ranks than the megakernel's pointer tables hold";
+    return;
+  }
+  const cuda::RoutingShape shape = routing_shape(d);
+  const int64_t cap = cuda::routed_row_capacity(shape);
+  const SymmetricLayout layout = SymmetricLayout::make(T, H, k, d.ranks);
+  MoeDesc planned = d;
+  DeviceFacts facts = DeviceFacts::h200();
+  facts.sm_count = ctas;
+  const MoeConfig config = plan(planned, facts);
+  const int64_t minibatch = config.minibatch_rows, ring = config.ring_rows;
+  const int comm = std::max(1, std::min(config.comm_sms, ctas / 4));
+  out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
+                   std::to_string(comm) + " comm of " + std::to_string(ctas) + " CTAs per rank";
+
+  struct FusedRank {
+    DeviceArray<uint8_t> symmetric, workspace;
+    DeviceArray<int32_t> offsets, rows, src_rank, src_slot, status;
+    DeviceArray<cuda::RoutingStatus> routing_status;
+    DeviceArray<uint16_t> ring_x, ring_h, y;
+    DeviceArray<uint32_t> counters;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+  };
+  std::vector<FusedRank> fr(static_cast<size_t>(R));
+  std::vector<void*> bases;
+  for (int r = 0; r < R; ++r) {
+    FusedRank& f = fr[static_cast<size_t>(r)];
+    const RankBuffers& b = ranks[static_cast<size_t>(r)];
+    f.symmetric = DeviceArray<uint8_t>(static_cast<size_t>(layout.total), "symmetric buffer");
+    check(cudaMemset(f.symmetric.get(), 0, f.symmetric.bytes()), "zero the symmetric buffer");
+    void* base = f.symmetric.get();
+    check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.x), b.x.get(), size_t(T * H) * 2, cudaMemcpyDeviceToDevice),
+          "copy x");
+    check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.topk_idx), b.topk_idx.get(), size_t(T * k) * 4,
+                     cudaMemcpyDeviceToDevice), "copy topk_idx");
+    check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.topk_w), b.topk_w.get(), size_t(T * k) * 4,
+                     cudaMemcpyDeviceToDevice), "copy topk_w");
+    bases.push_back(base);
+    f.workspace = DeviceArray<uint8_t>(static_cast<size_t>(cuda::schedule_workspace_bytes(shape)), "schedule workspace");
+    f.offsets = DeviceArray<int32_t>(static_cast<size_t>(El + 1), "offsets");
+    f.rows = DeviceArray<int32_t>(static_cast<size_t>(El), "rows");
+    f.src_rank = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_rank");
+    f.src_slot = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_slot");
+    f.status = DeviceArray<int32_t>(4, "status");
+    check(cudaMemset(f.status.get(), 0, 16), "zero the status");
+    f.routing_status = DeviceArray<cuda::RoutingStatus>(1, "routing status");
+    check(cudaMemset(f.routing_status.get(), 0, sizeof(cuda::RoutingStatus)), "zero the routing status");
+    f.ring_x = DeviceArray<uint16_t>(static_cast<size_t>(ring * H), "ring x");
+    f.ring_h = DeviceArray<uint16_t>(static_cast<size_t>(ring * I), "ring h");
+    f.y = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused y");
+    f.counters = DeviceArray<uint32_t>(static_cast<size_t>(cuda::megakernel_counter_words(cap, minibatch)), "counters");
+    check(cudaStreamCreateWithFlags(&f.stream, cudaStreamNonBlocking), "stream");
+    check(cudaEventCreate(&f.start), "event");
+    check(cudaEventCreate(&f.stop), "event");
+  }
+  auto release = [&]() {
+    for (FusedRank& f : fr) {
+      cudaEventDestroy(f.start);
+      cudaEventDestroy(f.stop);
+      cudaStreamDestroy(f.stream);
+    }
+  };
+  try {
+    for (int64_t run = 0; run <= runs; ++run) {  // run 0: warm-up
+      for (int r = 0; r < R; ++r) {
+        FusedRank& f = fr[static_cast<size_t>(r)];
+        const RankBuffers& b = ranks[static_cast<size_t>(r)];
+        check(cudaMemsetAsync(f.y.get(), 0xff, f.y.bytes(), f.stream), "poison fused y");
+        cuda::MoeForwardArgs a;
+        a.shape = shape;
+        a.rank = r;
+        a.hidden = H;
+        a.intermediate = I;
+        a.layout = layout;
+        a.bases = bases.data();
+        a.w_gate = b.w_gate.get();
+        a.w_up = b.w_up.get();
+        a.w_down = b.w_down.get();
+        a.expert_offsets = f.offsets.get();
+        a.expert_rows = f.rows.get();
+        a.src_rank = f.src_rank.get();
+        a.src_slot = f.src_slot.get();
+        a.row_capacity = cap;
+        a.schedule_workspace = f.workspace.get();
+        a.routing_status = f.routing_status.get();
+        a.minibatch_rows = minibatch;
+        a.ring_rows = ring;
+        a.ring_x = f.ring_x.get();
+        a.ring_h = f.ring_h.get();
+        a.counters = f.counters.get();
+        a.y_shared = d.has_shared() ? b.y_shared.get() : nullptr;
+        a.y = f.y.get();
+        a.epoch = static_cast<uint32_t>(run + 1);
+        a.comm_ctas = comm;
+        a.num_sms = ctas;
+        a.swiglu_limit = d.swiglu_limit;
+        a.status = f.status.get();
+        check(cudaEventRecord(f.start, f.stream), "event");
+        cuda::moe_forward(a, f.stream);
+        check(cudaEventRecord(f.stop, f.stream), "event");
+      }
+      double slowest = 0;
+      for (int r = 0; r < R; ++r) {
+        FusedRank& f = fr[static_cast<size_t>(r)];
+        check(cudaStreamSynchronize(f.stream), "fused forward of rank " + std::to_string(r));
+        float ms = 0;
+        check(cudaEventElapsedTime(&ms, fr[0].start, f.stop), "event time");
+        slowest = std::max(slowest, double(ms));
+      }
+      for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
+        FusedRank& f = fr[static_cast<size_t>(r)];
+        int32_t words[4];
+        check(cudaMemcpy(words, f.status.get(), sizeof words, cudaMemcpyDeviceToHost), "read the status");
+        const std::string why = cuda::describe_wait_status(words, static_cast<uint32_t>(run + 1));
+        if (!why.empty()) out.fused_difference = why;
+      }
+      if (run == 0) continue;
+      out.fused_forward_ms.push_back(slowest);
+      bool same = out.fused_difference.empty();
+      for (int r = 0; r < R && same; ++r) {
+        std::vector<uint16_t> bits(static_cast<size_t>(T * H));
+        if (!bits.empty())
+          check(cudaMemcpy(bits.data(), fr[static_cast<size_t>(r)].y.get(), bits.size() * 2, cudaMemcpyDeviceToHost),
+                "download fused y");
+        std::vector<float> y(bits.size());
+        for (size_t i = 0; i < bits.size(); ++i) y[i] = bf16_to_float(bf16{bits[i]});
+        const int64_t at = first_bit_difference(y, staged_y[static_cast<size_t>(r)]);
+        if (at >= 0) {
+          same = false;
+          out.fused_difference = "y of rank " + std::to_string(r) + " differs from the staged forward at index " +
+                                 std::to_string(at) + " in run " + std::to_string(run);
+        }
+      }
+      out.fused_identical_runs += same ? 1 : 0;
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
+CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs,
+                     bool fused) {
   const MoeDesc& d = in.desc;
   if (const std::string why = cuda_unavailable_reason(); !why.empty())
     throw NotSupported("backend cuda: " + why);
@@ -774,6 +939,12 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
                                  cuda::status_message(status));
       }
     }
+  }
+
+  if (fused) {
+    fused_forward(in, ranks, first_run.y, runs, out);
+  } else {
+    out.fused_skipped = "--fused off";
   }
 
   out.y = std::move(first_run.y);

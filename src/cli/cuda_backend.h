@@ -40,12 +40,20 @@ struct CudaLayer {
   std::vector<std::pair<std::string, double>> backward_stage_ms;  // per stage, median over runs
   int64_t identical_runs = 1;              // timed runs whose y and gradients are bitwise the first's
   std::string first_difference;            // where the first differing run differs
+  // The fused forward (the megakernel): every rank on its own stream, sharing the device's SMs.
+  std::string fused_skipped;               // why it did not run ("" = it ran)
+  std::vector<double> fused_forward_ms;    // per timed run, first launch to last rank done
+  int64_t fused_identical_runs = 0;        // runs whose y is bitwise the staged forward's
+  std::string fused_difference;            // the first difference, or a rank's status message
+  std::string fused_plan;                  // minibatch, ring and comm CTAs it ran with
 };
 
 // Runs forward then backward (dy [R][T*H], bf16 values) `runs` times after one untimed warm-up,
+// then (fused) the fused forward `runs` times, checked bitwise against the staged forward's y,
 // outputs poisoned before every run. Throws NotSupported (no device, shapes the kernels do not
 // take) or std::runtime_error (a CUDA error, a kernel status) with a message that starts with
 // "backend cuda: ".
-CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs);
+CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs,
+                     bool fused);
 
 }  // namespace mok::cli

@@ -16,6 +16,7 @@ const char* kUsage =
     "              print the plan (minibatch, ring, workspace, floors) and why\n"
     "  mok run     [--preset NAME] [--ranks R] [--tokens T] [--routing balanced|uniform|zipf|one_expert]\n"
     "              [--backend auto|cpu|cuda] [--threads N] [--runs N] [--seed S] [--limit L]\n"
+    "              [--fused on|off]   (cuda: also run the fused forward, the megakernel)\n"
     "              run forward+backward, check against the fp64 reference, print timings\n"
     "  mok presets [--json]   list the model presets\n";
 
