@@ -52,11 +52,25 @@ def _symmetric(problem: Any, ctx: BenchContext, kernels: ModuleType) -> tuple[to
     return held[0], held[1]
 
 
-@register_impl("mok", "layer", is_baseline=False, description="MoK fused forward (megakernel) over symmetric memory")
+def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
+    """The handle's local buffers (rows kept for the backward, its scratch) and the fp32 weight
+    gradients, plus 25%; the symmetric buffer is allocated once for the run."""
+    p = problem
+    T, H, I, k, R, El = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks, p.local_experts
+    cap = R * T * k + El * 127
+    rows = cap * (3 * 2 * H + 5 * 2 * I + 16)
+    grads = 3 * El * I * H * 4
+    return int(1.25 * (rows + grads))
+
+
+@register_impl("mok", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
+               description="MoK fused forward (megakernel) + backward (stage kernels) over symmetric memory")
 def build_layer(problem: Any, ctx: BenchContext) -> Runner:
-    """The fused forward through the C API: every rank writes x, topk_idx and topk_w into its
-    symmetric buffer and makes one call (barrier, schedule, megakernel, combine); the shared expert
-    runs in torch before it. The backward is not fused yet (Skip)."""
+    """Through the C API: every rank writes x, topk_idx and topk_w (and dy for the backward) into
+    its symmetric buffer and makes one call per pass. The forward is the megakernel (barrier,
+    schedule, fused dispatch + experts + combine push, combine); it keeps its rows when the case
+    has a backward, which runs the stage kernels over the same buffers. The shared expert runs in
+    torch (autograd) beside it."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
     if problem.case.precision != "bf16":
@@ -77,26 +91,54 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     x_in = view("x", torch.bfloat16, (T, H))
     idx_in = view("topk_idx", torch.int32, (T, k))
     w_in = view("topk_w", torch.float32, (T, k))
+    dy_in = view("dy", torch.bfloat16, (T, H))
+    with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
-                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit)
-    y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
+                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward)
+    dev = p.x.device
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
-    shared = tuple(w.detach() for w in p.shared) if p.shared is not None else None
+    El, I = w_gate.shape[0], p.preset.I
+    dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    d_topk_w = torch.empty(T, k, dtype=torch.float32, device=dev)
+    d_w = [torch.empty(El, I, H, dtype=torch.float32, device=dev), torch.empty(El, I, H, dtype=torch.float32, device=dev),
+           torch.empty(El, H, I, dtype=torch.float32, device=dev)] if with_backward else []
 
-    def forward() -> torch.Tensor:
+    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
         x_in.copy_(p.x.detach())
         idx_in.copy_(p.topk_idx)
         w_in.copy_(p.topk_w.detach())
-        y_shared = shared_expert(p.x.detach(), shared, p.swiglu_limit)
-        fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared)
-        return y
+        with torch.enable_grad():  # the shared expert's graph, for the backward
+            y_shared = shared_expert(p.x, p.shared, p.swiglu_limit)
+        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if y_shared is None else y_shared.detach())
+        return y, y_shared
 
-    def output(state: torch.Tensor) -> torch.Tensor:
+    def output(state: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         fused.check()  # a timed-out wait or a bad expert id is an error, not a number
-        return state
+        return state[0]
 
-    return Runner(forward=forward, output=output, backward=None,
-                  no_backward_reason="the fused backward has not landed yet")
+    if not with_backward:
+        return Runner(forward=forward, output=output, backward=None,
+                      no_backward_reason="this case has no backward pass")
+    calls = [0]
+
+    def backward(state: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor | None]:
+        _, y_shared = state
+        dy_in.copy_(p.d_y)
+        w_in.copy_(p.topk_w.detach())
+        d_shared: list[torch.Tensor | None] = []
+        dx_shared = None
+        if y_shared is not None:
+            assert p.shared is not None
+            dx_shared, *d_shared = torch.autograd.grad(y_shared, [p.x, *p.shared], p.d_y)
+        fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
+                       d_w_down=d_w[2], dx_shared=dx_shared)
+        calls[0] += 1
+        if calls[0] == 1:  # the correctness check's call: a failed wait is an error (timed calls do not sync)
+            fused.check()
+        return [dx, d_topk_w, *d_w, *d_shared]
+
+    return Runner(forward=forward, output=output, backward=backward)
 
 
 def _cuda_kernels() -> ModuleType:

@@ -30,6 +30,8 @@ void write_error(const std::exception& e, char* error, int error_len) {
 // the caller (torch symmetric memory); their addresses come with every call.
 struct ForwardHandle {
   mok::cuda::MoeForwardArgs args;
+  mok::cuda::MoeBackwardArgs backward;  // set up when the handle keeps the forward's rows
+  bool keeps_rows = false;
   mok::MoeConfig config;
   void* memory = nullptr;  // one cudaMalloc for all local buffers
   int device = 0;
@@ -153,10 +155,14 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 
 // Creates rank `rank`'s fused forward on the current device. Plan overrides: 0 = the planner's
 // choice. `plan_text` (optional) receives the planner's explanation. Returns null on error.
+//
+// keep_rows: the ring holds every row (ring_rows = row capacity) and g|u is saved, so
+// mok_cuda_backward_run can follow each forward (training); the handle then also owns the
+// backward's scratch rows.
 void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64_t hidden, int64_t intermediate,
                               int64_t num_experts, int64_t topk, int has_limit, float limit, int comm_sms,
-                              int64_t minibatch_rows, int64_t ring_rows, double timeout_s, char* plan_text,
-                              int plan_len, char* error, int error_len) {
+                              int64_t minibatch_rows, int64_t ring_rows, int keep_rows, double timeout_s,
+                              char* plan_text, int plan_len, char* error, int error_len) {
   try {
     mok::MoeDesc d;
     d.ranks = ranks;
@@ -186,6 +192,9 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.row_capacity = mok::cuda::routed_row_capacity(a.shape);
     a.minibatch_rows = c.minibatch_rows;
     a.ring_rows = c.ring_rows;
+    h->keeps_rows = keep_rows != 0;
+    if (h->keeps_rows)  // every row has its own ring row: the ring is the forward's saved context
+      a.ring_rows = (a.row_capacity + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
@@ -204,6 +213,13 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
                   o_ring_h = take(a.ring_rows * intermediate * 2),
                   o_counters = take(mok::cuda::megakernel_counter_words(cap, a.minibatch_rows) * 4),
                   o_status = take(16);
+    const bool keep = h->keeps_rows;
+    const int64_t o_gu = keep ? take(cap * 2 * intermediate * 2) : 0, o_dy = keep ? take(cap * hidden * 2) : 0,
+                  o_rw = keep ? take(cap * 4) : 0, o_dgu = keep ? take(cap * 2 * intermediate * 2) : 0,
+                  o_hw = keep ? take(cap * intermediate * 2) : 0,
+                  o_dwp = keep ? take(cap * mok::cuda::dw_partial_blocks(intermediate) * 4) : 0,
+                  o_dx = keep ? take(cap * hidden * 2) : 0, o_drw = keep ? take(cap * 4) : 0,
+                  o_xs = keep ? take(16) : 0;
     cuda_check(cudaMalloc(&h->memory, std::max<int64_t>(at, 256)), "allocate the forward's buffers");
     cuda_check(cudaMemset(h->memory, 0, std::max<int64_t>(at, 256)), "zero the forward's buffers");
     char* base = static_cast<char*>(h->memory);
@@ -218,6 +234,33 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.counters = reinterpret_cast<uint32_t*>(base + o_counters);
     a.status = reinterpret_cast<int32_t*>(base + o_status);
     a.epoch = 0;
+    if (keep) {
+      a.gu = base + o_gu;
+      mok::cuda::MoeBackwardArgs& b = h->backward;
+      b.shape = a.shape;
+      b.rank = rank;
+      b.hidden = hidden;
+      b.intermediate = intermediate;
+      b.layout = a.layout;
+      b.expert_offsets = a.expert_offsets;
+      b.src_rank = a.src_rank;
+      b.src_slot = a.src_slot;
+      b.row_capacity = cap;
+      b.x_rows = a.ring_x;
+      b.h = a.ring_h;
+      b.gu = a.gu;
+      b.dy_rows = base + o_dy;
+      b.row_weight = reinterpret_cast<float*>(base + o_rw);
+      b.dgu = base + o_dgu;
+      b.hw = base + o_hw;
+      b.dw_partial = reinterpret_cast<float*>(base + o_dwp);
+      b.dx_rows = base + o_dx;
+      b.d_row_weight = reinterpret_cast<float*>(base + o_drw);
+      b.swiglu_limit = a.swiglu_limit;
+      b.status = a.status;
+      b.experts_status = reinterpret_cast<int32_t*>(base + o_xs);
+      b.timeout_s = timeout_s;
+    }
     if (plan_text != nullptr && plan_len > 0) {
       std::ostringstream text;
       text << "comm CTAs " << a.comm_ctas << ", minibatch " << a.minibatch_rows << " rows, ring " << a.ring_rows
@@ -250,9 +293,40 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     a.w_down = w_down;
     a.y_shared = y_shared;
     a.y = y;
-    a.gu = gu;
+    if (gu != nullptr || !h->keeps_rows) a.gu = gu;  // a kept handle saves g|u in its own buffer
     a.epoch = ++h->args.epoch;
     mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
+// The backward of the last forward (a handle created with keep_rows): every rank has written its
+// dy and topk_w into its symmetric buffer. Weight gradients are fp32 and overwritten.
+int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
+                          const void* dx_shared, void* dx, void* d_topk_w, void* d_w_gate, void* d_w_up,
+                          void* d_w_down, void* stream, char* error, int error_len) {
+  try {
+    auto* h = static_cast<ForwardHandle*>(handle);
+    if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
+    if (h->args.epoch == 0) throw std::invalid_argument("the backward needs a forward first");
+    void* table[mok::cuda::kMaxRanks];
+    for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
+    mok::cuda::MoeBackwardArgs b = h->backward;
+    b.bases = table;
+    b.w_gate = w_gate;
+    b.w_up = w_up;
+    b.w_down = w_down;
+    b.dx_shared = dx_shared;
+    b.dx = dx;
+    b.d_topk_w = static_cast<float*>(d_topk_w);
+    b.d_w_gate = static_cast<float*>(d_w_gate);
+    b.d_w_up = static_cast<float*>(d_w_up);
+    b.d_w_down = static_cast<float*>(d_w_down);
+    b.epoch = ++h->args.epoch;  // one sequence for forward and backward calls
+    mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
     write_error(e, error, error_len);
@@ -275,6 +349,11 @@ int mok_cuda_forward_check(void* handle, char* message, int message_len) {
     cuda_check(cudaMemcpy(&rs, h->args.routing_status, sizeof rs, cudaMemcpyDeviceToHost), "read the routing status");
     const std::string bad = mok::cuda::describe(rs, h->args.shape);
     if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
+    if (h->keeps_rows) {
+      int32_t experts = 0;
+      cuda_check(cudaMemcpy(&experts, h->backward.experts_status, 4, cudaMemcpyDeviceToHost), "read the status");
+      if (experts != 0) text += std::string(text.empty() ? "" : "; ") + "expert backward: " + mok::cuda::status_message(experts);
+    }
   } catch (const std::exception& e) {
     text = e.what();
   }

@@ -8,6 +8,7 @@
 
 #include "launch_util.h"
 #include "mok/cuda/detail/megakernel_forward.cuh"
+#include "mok/cuda/expert_kernels.h"
 
 namespace mok::cuda {
 namespace {
@@ -209,6 +210,132 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   combine_epilogue(c, stream);
 }
 
+std::string can_implement(const MoeBackwardArgs& a) {
+  std::ostringstream why;
+  const RoutingShape& s = a.shape;
+  if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
+  if (a.rank < 0 || a.rank >= s.ranks) why << "rank " << a.rank << " is not in [0, " << s.ranks << "); ";
+  const SymmetricLayout& l = a.layout;
+  if (l.tokens != s.tokens_per_rank || l.hidden != a.hidden || l.topk != s.topk || l.ranks != s.ranks)
+    why << "the symmetric layout was made for T=" << l.tokens << " H=" << l.hidden << " k=" << l.topk << " R=" << l.ranks
+        << ", not T=" << s.tokens_per_rank << " H=" << a.hidden << " k=" << s.topk << " R=" << s.ranks << "; ";
+  if (a.bases == nullptr) why << "bases is null; ";
+  if (a.row_capacity < routed_row_capacity(s))
+    why << "row_capacity " << a.row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
+  if (!a.x_rows || !a.h || !a.gu)
+    why << "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that kept them; ";
+  if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
+      !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
+      !a.src_rank || !a.src_slot)
+    why << "scratch, outputs, schedule and status pointers must be set; ";
+  if (a.epoch == 0) why << "epoch must be > 0; ";
+  if (!(a.timeout_s > 0.0)) why << "timeout_s must be > 0; ";
+  std::string out = why.str();
+  if (out.size() >= 2) out.resize(out.size() - 2);
+  return out;
+}
+
+void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
+  if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+  const RoutingShape& shape = a.shape;
+  const int R = int(shape.ranks), me = int(a.rank);
+  const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;
+  const SymmetricLayout& l = a.layout;
+  void* mine = a.bases[me];
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+  preload_routing_kernels();
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
+
+  // 1. Every rank's dy and topk_w are in its symmetric buffer.
+  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+
+  // 2. Pull dy rows and router weights from their source ranks.
+  const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot};
+  const void* dy_table[kMaxRanks];
+  const float* w_table[kMaxRanks];
+  void* dx_table[kMaxRanks];
+  float* dw_table[kMaxRanks];
+  for (int s = 0; s < R; ++s) {
+    dy_table[s] = SymmetricLayout::at<const void>(a.bases[s], l.dy);
+    w_table[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
+    dx_table[s] = SymmetricLayout::at<void>(a.bases[s], l.dx_slots);
+    dw_table[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
+  }
+  GatherArgs g;
+  g.shape = shape;
+  g.hidden = H;
+  g.schedule = view;
+  g.x = dy_table;
+  g.rows = a.dy_rows;
+  g.topk_w = w_table;
+  g.row_weights = a.row_weight;
+  gather_rows(g, stream);
+
+  // 3. The expert backward on this rank's rows.
+  ExpertsBackwardArgs e;
+  e.row_capacity = cap;
+  e.hidden = H;
+  e.intermediate = I;
+  e.local_experts = El;
+  e.expert_offsets = a.expert_offsets;
+  e.x = a.x_rows;
+  e.gu = a.gu;
+  e.h = a.h;
+  e.dy = a.dy_rows;
+  e.row_weight = a.row_weight;
+  e.w_gate = a.w_gate;
+  e.w_up = a.w_up;
+  e.w_down = a.w_down;
+  e.dgu = a.dgu;
+  e.hw = a.hw;
+  e.dw_partial = a.dw_partial;
+  e.dx = a.dx_rows;
+  e.d_row_weight = a.d_row_weight;
+  e.d_w_gate = a.d_w_gate;
+  e.d_w_up = a.d_w_up;
+  e.d_w_down = a.d_w_down;
+  e.swiglu_limit = a.swiglu_limit;
+  e.status = a.experts_status;
+  experts_backward(e, stream);
+
+  // 4. Push dx rows and d topk_w into their (token, j) slots on the source ranks.
+  ScatterArgs sc;
+  sc.shape = shape;
+  sc.hidden = H;
+  sc.schedule = view;
+  sc.rows = a.dx_rows;
+  sc.slots = dx_table;
+  scatter_rows(sc, stream);
+  ScatterValuesArgs sv;
+  sv.shape = shape;
+  sv.schedule = view;
+  sv.values = a.d_row_weight;
+  sv.slot_values = dw_table;
+  scatter_row_values(sv, stream);
+
+  // 5. Tell every source its slots from this rank are written; wait for every rank's.
+  barrier(R, a.epoch, status, detail::kWaitGrads, true,
+          [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
+          [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
+
+  // 6. dx = dx_shared + sum_j dx_slots[t, j] in j order; d topk_w is the slots themselves.
+  DispatchGradArgs dg;
+  dg.tokens = shape.tokens_per_rank;
+  dg.hidden = H;
+  dg.topk = shape.topk;
+  dg.dx_shared = a.dx_shared;
+  dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
+  dg.dx = a.dx;
+  dispatch_grad_epilogue(dg, stream);
+  if (shape.slots() > 0)
+    check(cudaMemcpyAsync(a.d_topk_w, SymmetricLayout::at<const float>(mine, l.dw_slots),
+                          size_t(shape.slots()) * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+          "copy d topk_w");
+}
+
 std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
   std::ostringstream out;
   const int32_t code = w[0], rank = w[1], where = w[2], seen = w[3];
@@ -229,6 +356,10 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
     case detail::kWaitBarrier:
       out << "rank " << rank << " timed out at the start barrier waiting for rank " << where << " (saw epoch " << seen
           << ", wanted " << epoch << "): that rank did not launch this call, or runs another one";
+      break;
+    case detail::kWaitGrads:
+      out << "rank " << rank << " timed out waiting for rank " << where
+          << " to push its dx and d topk_w rows (saw epoch " << seen << ", wanted " << epoch << ")";
       break;
     case detail::kWaitCombine:
       out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "

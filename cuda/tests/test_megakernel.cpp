@@ -10,6 +10,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -31,6 +32,8 @@ struct RunConfig {
   bool own_gpus = false;  // one GPU per rank (else every rank on GPU 0, sharing its SMs)
   double timeout_s = 5.0;
   std::vector<int> launch;  // ranks that launch (empty = all)
+  bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
+  const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
 // Everything one rank owns on its device.
@@ -43,12 +46,21 @@ struct Rank {
   std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
   std::unique_ptr<DeviceBuffer<cuda::RoutingStatus>> routing_status;
   std::unique_ptr<DeviceBuffer<uint32_t>> counters;
+  // The backward's scratch and outputs.
+  std::unique_ptr<DeviceBuffer<uint16_t>> dy_rows, dgu, hw, dx_rows, dx;
+  std::unique_ptr<DeviceBuffer<float>> row_weight, dw_partial, d_row_weight, d_topk_w, dwg, dwu, dwd;
+  std::unique_ptr<DeviceBuffer<int32_t>> experts_status;
 };
 
 struct Outputs {
   std::vector<std::vector<uint16_t>> y;       // [R][T*H]
   std::vector<std::vector<uint16_t>> gu;      // [R][rows*2I], rows [0, offsets[El])
   std::vector<std::string> errors;            // per rank, "" = fine
+  // With the backward: per rank dx [T*H] bf16 bits, d topk_w [T*k]; weight gradients of all E
+  // experts in rank order (as the reference's d_routed).
+  std::vector<std::vector<uint16_t>> dx;
+  std::vector<std::vector<float>> d_topk_w;
+  std::vector<float> dwg, dwu, dwd;
 };
 
 int device_count() {
@@ -92,7 +104,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     rk.w_gate->upload(to_bits(slice(in.routed.gate, r * El * I * H, El * I * H)));
     rk.w_up->upload(to_bits(slice(in.routed.up, r * El * I * H, El * I * H)));
     rk.w_down->upload(to_bits(slice(in.routed.down, r * El * H * I, El * H * I)));
-    const int64_t ring = cfg.minibatch_rows * cfg.ring_slots;
+    const int64_t ring = cfg.backward ? (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows
+                                      : cfg.minibatch_rows * cfg.ring_slots;
     rk.ring_x = bf(ring * H);
     rk.ring_h = bf(ring * I);
     rk.gu = bf(capacity * 2 * I);
@@ -113,6 +126,31 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     cudaMemset(rk.routing_status->ptr, 0, sizeof(cuda::RoutingStatus));
     rk.counters = std::make_unique<DeviceBuffer<uint32_t>>(
         size_t(cuda::megakernel_counter_words(capacity, cfg.minibatch_rows)));
+    if (cfg.backward) {
+      const int64_t blocks = cuda::dw_partial_blocks(I);
+      rk.dy_rows = bf(capacity * H);
+      rk.dgu = bf(capacity * 2 * I);
+      rk.hw = bf(capacity * I);
+      rk.dx_rows = bf(capacity * H);
+      rk.dx = bf(T * H);
+      rk.dx->poison();
+      auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
+      rk.row_weight = f32(capacity);
+      rk.dw_partial = f32(capacity * blocks);
+      rk.d_row_weight = f32(capacity);
+      rk.d_topk_w = f32(T * k);
+      rk.d_topk_w->poison();
+      rk.dwg = f32(El * I * H);
+      rk.dwu = f32(El * I * H);
+      rk.dwd = f32(El * H * I);
+      rk.dwg->poison();
+      rk.dwu->poison();
+      rk.dwd->poison();
+      rk.experts_status = i32(1);
+      cudaMemset(rk.experts_status->ptr, 0, 4);
+      std::vector<uint16_t> dy = to_bits((*cfg.dy)[r]);
+      cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.dy), dy.data(), dy.size() * 2, cudaMemcpyHostToDevice);
+    }
     // The rank's inputs in its symmetric buffer.
     std::vector<uint16_t> x = to_bits(in.x[r]);
     cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.x), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
@@ -161,13 +199,14 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.schedule_workspace = rk.workspace->ptr;
       a.routing_status = rk.routing_status->ptr;
       a.minibatch_rows = cfg.minibatch_rows;
-      a.ring_rows = cfg.minibatch_rows * cfg.ring_slots;
+      a.ring_rows = cfg.backward ? (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows
+                                 : cfg.minibatch_rows * cfg.ring_slots;
       a.ring_x = rk.ring_x->ptr;
       a.ring_h = rk.ring_h->ptr;
       a.gu = rk.gu->ptr;
       a.counters = rk.counters->ptr;
       a.y = rk.y->ptr;
-      a.epoch = uint32_t(run);
+      a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.swiglu_limit = d.swiglu_limit;
@@ -177,6 +216,50 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         cuda::moe_forward(a, rk.stream);
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch: ") + e.what() + "; ";
+      }
+    }
+    for (int r = 0; r < R && cfg.backward; ++r) {
+      if (!launches[r]) continue;
+      Rank& rk = ranks[r];
+      cudaSetDevice(rk.device);
+      cuda::MoeBackwardArgs b;
+      b.shape = shape;
+      b.rank = r;
+      b.hidden = H;
+      b.intermediate = I;
+      b.layout = layout;
+      b.bases = bases.data();
+      b.w_gate = rk.w_gate->ptr;
+      b.w_up = rk.w_up->ptr;
+      b.w_down = rk.w_down->ptr;
+      b.expert_offsets = rk.offsets->ptr;
+      b.src_rank = rk.src_rank->ptr;
+      b.src_slot = rk.src_slot->ptr;
+      b.row_capacity = capacity;
+      b.x_rows = rk.ring_x->ptr;
+      b.h = rk.ring_h->ptr;
+      b.gu = rk.gu->ptr;
+      b.dy_rows = rk.dy_rows->ptr;
+      b.row_weight = rk.row_weight->ptr;
+      b.dgu = rk.dgu->ptr;
+      b.hw = rk.hw->ptr;
+      b.dw_partial = rk.dw_partial->ptr;
+      b.dx_rows = rk.dx_rows->ptr;
+      b.d_row_weight = rk.d_row_weight->ptr;
+      b.d_w_gate = rk.dwg->ptr;
+      b.d_w_up = rk.dwu->ptr;
+      b.d_w_down = rk.dwd->ptr;
+      b.dx = rk.dx->ptr;
+      b.d_topk_w = rk.d_topk_w->ptr;
+      b.epoch = uint32_t(2 * run);
+      b.swiglu_limit = d.swiglu_limit;
+      b.status = rk.status->ptr;
+      b.experts_status = rk.experts_status->ptr;
+      b.timeout_s = cfg.timeout_s;
+      try {
+        cuda::moe_backward(b, rk.stream);
+      } catch (const std::exception& e) {
+        out.errors[r] += std::string("launch backward: ") + e.what() + "; ";
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -191,13 +274,22 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     cudaSetDevice(rk.device);
     if (launches[r]) {
       const std::vector<int32_t> words = rk.status->download();
-      out.errors[r] += cuda::describe_wait_status(words.data(), uint32_t(runs));
+      out.errors[r] += cuda::describe_wait_status(words.data(), uint32_t(cfg.backward ? 2 * runs : runs));
       cuda::RoutingStatus rs;
       cudaMemcpy(&rs, rk.routing_status->ptr, sizeof(rs), cudaMemcpyDeviceToHost);
       const std::string bad = cuda::describe(rs, shape);
       if (!bad.empty()) out.errors[r] += bad;
     }
     out.y.push_back(rk.y->download());
+    if (cfg.backward) {
+      out.dx.push_back(rk.dx->download());
+      out.d_topk_w.push_back(rk.d_topk_w->download());
+      auto append = [](std::vector<float>& to, const std::vector<float>& v) { to.insert(to.end(), v.begin(), v.end()); };
+      append(out.dwg, rk.dwg->download());
+      append(out.dwu, rk.dwu->download());
+      append(out.dwd, rk.dwd->download());
+      if (rk.experts_status->download()[0] != 0) out.errors[r] += "expert backward status nonzero; ";
+    }
     const std::vector<int32_t> offsets = rk.offsets->download();
     std::vector<uint16_t> gu = rk.gu->download();
     gu.resize(size_t(std::max(0, offsets[El])) * 2 * I);
@@ -374,6 +466,55 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_token", desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
                       Case{"R4_zipf", desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
                       Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+class MegakernelBackward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
+  const Case& c = GetParam();
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const auto in = make_inputs<float>(c.desc, c.routing, 77, true);
+  const auto dy = make_output_grad<float>(c.desc, 78, true);
+  const auto fwd = ref::layer_forward(in, ref::Rounding::bf16);
+  const auto ref = ref::layer_backward(in, fwd.context, dy, ref::Rounding::bf16);
+  RunConfig cfg;
+  cfg.backward = true;
+  cfg.dy = &dy;
+  const Outputs a = run_forward(in, cfg, 3);
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    ASSERT_EQ(a.errors[r], "") << "rank " << r;
+    const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
+    const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
+    const Comparison dw = compare(a.d_topk_w[r], ref.d_topk_w[r]);
+    EXPECT_TRUE(y.within(kBf16RelTolerance)) << y.describe("y rank " + std::to_string(r));
+    EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe("dx rank " + std::to_string(r));
+    EXPECT_TRUE(dw.within(kBf16RelTolerance)) << dw.describe("d topk_w rank " + std::to_string(r));
+    std::printf("[ %s backward ] rank %d rel error y %.2e dx %.2e d_topk_w %.2e\n", c.name, r, y.rel_error,
+                dx.rel_error, dw.rel_error);
+  }
+  for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
+                                        std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
+                                        std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
+    const Comparison cmp = compare(*got, *want);
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(name);
+    std::printf("[ %s backward ] rel error %s %.2e\n", c.name, name, cmp.rel_error);
+  }
+  // A fresh set of buffers, one run: the same bits.
+  const Outputs b = run_forward(in, cfg, 1);
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    EXPECT_EQ(first_bit_difference(a.dx[r], b.dx[r]), -1) << "dx rank " << r;
+    EXPECT_EQ(first_bit_difference(a.d_topk_w[r], b.d_topk_w[r]), -1) << "d topk_w rank " << r;
+  }
+  EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
+  EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
+  EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gpu, MegakernelBackward,
+    ::testing::Values(Case{"R1_zipf", desc(1, 300, 512, 256, 16, 4), RoutingKind::zipf},
+                      Case{"R2_uniform", desc(2, 257, 256, 384, 8, 2), RoutingKind::uniform},
+                      Case{"R2_one_expert", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(MegakernelPeers, TwoGpusMatchOneGpuBitwise) {

@@ -41,8 +41,11 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_symmetric_layout.argtypes = [ctypes.c_int64] * 4 + [ctypes.POINTER(ctypes.c_int64)]
     lib.mok_cuda_forward_create.restype = ctypes.c_void_p
     lib.mok_cuda_forward_create.argtypes = [ctypes.c_int64] * 7 + [
-        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
+        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_double,
         ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_backward_run.restype = ctypes.c_int
+    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 11 + [
+        ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_destroy.restype = None
     lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_run.restype = ctypes.c_int
@@ -191,19 +194,19 @@ class FusedForward:
 
     def __init__(self, *, ranks: int, rank: int, tokens: int, hidden: int, intermediate: int, num_experts: int,
                  topk: int, swiglu_limit: float | None = None, comm_sms: int = 0, minibatch_rows: int = 0,
-                 ring_rows: int = 0, timeout_s: float = 10.0) -> None:
+                 ring_rows: int = 0, keep_rows: bool = False, timeout_s: float = 10.0) -> None:
         self._handle = None
         plan = ctypes.create_string_buffer(4096)
         error = ctypes.create_string_buffer(512)
         handle = _lib().mok_cuda_forward_create(
             ranks, rank, tokens, hidden, intermediate, num_experts, topk, int(swiglu_limit is not None),
-            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, timeout_s, plan, len(plan), error,
-            len(error))
+            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, int(keep_rows), timeout_s, plan,
+            len(plan), error, len(error))
         if not handle:
             raise ValueError(error.value.decode())
         self._handle = handle
         self.plan = plan.value.decode()
-        self.ranks, self.tokens, self.hidden, self.intermediate = ranks, tokens, hidden, intermediate
+        self.ranks, self.tokens, self.hidden, self.intermediate, self.topk = ranks, tokens, hidden, intermediate, topk
         self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
@@ -225,6 +228,30 @@ class FusedForward:
         error = ctypes.create_string_buffer(512)
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
                                          _ptr(y), _ptr(gu), torch.cuda.current_stream().cuda_stream, error, len(error))
+        if rc != 0:
+            raise ValueError(error.value.decode())
+
+    def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                 dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
+                 d_w_down: torch.Tensor, dx_shared: torch.Tensor | None = None) -> None:
+        """The backward of the last :meth:`run` (a handle made with keep_rows): every rank has written
+        its dy and topk_w into its symmetric buffer. Weight gradients are fp32. Asynchronous."""
+        T, H, I = self.tokens, self.hidden, self.intermediate
+        El = w_gate.shape[0]
+        bf16, f32 = torch.bfloat16, torch.float32
+        specs = [("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16),
+                 ("w_down", w_down, (El, H, I), bf16), ("dx", dx, (T, H), bf16),
+                 ("d_topk_w", d_topk_w, (T, self.topk), f32),
+                 ("d_w_gate", d_w_gate, (El, I, H), f32), ("d_w_up", d_w_up, (El, I, H), f32),
+                 ("d_w_down", d_w_down, (El, H, I), f32)]
+        if dx_shared is not None:
+            specs.append(("dx_shared", dx_shared, (T, H), bf16))
+        _check_tensors(tuple(specs))
+        table = (ctypes.c_int64 * self.ranks)(*bases)
+        error = ctypes.create_string_buffer(512)
+        rc = _lib().mok_cuda_backward_run(
+            self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
+            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), torch.cuda.current_stream().cuda_stream, error, len(error))
         if rc != 0:
             raise ValueError(error.value.decode())
 

@@ -64,6 +64,55 @@ struct MoeForwardArgs {
   double timeout_s = 10.0;    // every wait's bound
 };
 
+// The backward of a forward that kept its rows (ring_rows >= row_capacity: ring_x and ring_h hold
+// every row at its schedule position, gu was saved): today the stage kernels over the symmetric
+// buffers, one call per rank: start barrier (every rank's dy and topk_w are written); pull dy rows
+// and router weights from the source ranks (gather over peer addresses); the expert backward
+// (dgrad, SwiGLU backward, wgrad; fixed reduction order); push dx rows and d topk_w into the
+// source ranks' dx_slots / dw_slots; a barrier on every rank's arrival; the fixed-order dx sum.
+// *Planned:* the fused backward megakernel with replay for rings smaller than the rows.
+struct MoeBackwardArgs {
+  RoutingShape shape;
+  int64_t rank = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  SymmetricLayout layout;
+  void* const* bases = nullptr;  // as in MoeForwardArgs; dy and topk_w written into this rank's
+  const void* w_gate = nullptr;
+  const void* w_up = nullptr;
+  const void* w_down = nullptr;
+  // The forward's schedule and kept rows.
+  const int32_t* expert_offsets = nullptr;
+  const int32_t* src_rank = nullptr;
+  const int32_t* src_slot = nullptr;
+  int64_t row_capacity = 0;
+  const void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x)
+  const void* h = nullptr;       // [row_capacity, I] (the forward's ring_h)
+  const void* gu = nullptr;      // [row_capacity, 2I]
+  // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
+  void* dy_rows = nullptr;         // [cap, H] bf16
+  float* row_weight = nullptr;     // [cap]
+  void* dgu = nullptr;             // [cap, 2I] bf16
+  void* hw = nullptr;              // [cap, I] bf16
+  float* dw_partial = nullptr;     // [cap, dw_partial_blocks(I)]
+  void* dx_rows = nullptr;         // [cap, H] bf16
+  float* d_row_weight = nullptr;   // [cap]
+  // Outputs.
+  float* d_w_gate = nullptr;       // [El, I, H] fp32
+  float* d_w_up = nullptr;         // [El, I, H] fp32
+  float* d_w_down = nullptr;       // [El, H, I] fp32
+  const void* dx_shared = nullptr; // optional [T, H] bf16, added into dx
+  void* dx = nullptr;              // [T, H] bf16
+  float* d_topk_w = nullptr;       // [T*k] fp32
+  uint32_t epoch = 1;              // shares the forward's sequence: one more than the call before
+  std::optional<float> swiglu_limit;
+  int32_t* status = nullptr;       // [4], as in MoeForwardArgs
+  int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
+  double timeout_s = 10.0;
+};
+std::string can_implement(const MoeBackwardArgs& args);
+void moe_backward(const MoeBackwardArgs& args, cudaStream_t stream);
+
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 // Why moe_forward cannot run these arguments, or "" when it can.
 std::string can_implement(const MoeForwardArgs& args);

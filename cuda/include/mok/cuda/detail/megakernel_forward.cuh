@@ -70,6 +70,7 @@ enum WaitCode : int32_t {
   kWaitHidden = 18,      // down waited for the gate/up tiles of row block `where`
   kWaitBarrier = 19,     // the start barrier waited for rank `where`
   kWaitCombine = 20,     // the combine waited for rank `where`'s pushes
+  kWaitGrads = 21,       // the backward waited for rank `where`'s dx and d topk_w pushes
 };
 
 // Spins until *p >= target; false when it gave up (it timed out, or another wait did).
