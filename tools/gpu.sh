@@ -3,7 +3,8 @@
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
 # a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
-# Steps: build, sass, tests, timing, sanitize, bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
+# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, sanitize,
+# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -82,6 +83,24 @@ if has tests; then
 --preset tiny --limit 0.5 --ranks 8 --tokens 5 --runs 2
 RUNS
   grep -A12 -m1 "^pass " "$LOGS/mok_run_cuda.log" | tee -a "$LOGS/summary.txt"
+fi
+
+if has pytest; then
+  # mok._C for the machine's python3 (pybind11 carried in .deps), then the Python GPU tests.
+  if cmake -S . -B "$ROOT/build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON -DMOK_BUILD_TESTS=OFF \
+       -DMOK_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
+       -Dpybind11_DIR="$ROOT/.deps/pybind11/share/cmake/pybind11" \
+       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" > "$LOGS/pybuild.log" 2>&1 &&
+     timeout --kill-after=10 "$(left 300)" cmake --build "$ROOT/build-py" -j "$(nproc)" --target mok_python >> "$LOGS/pybuild.log" 2>&1; then
+    if timeout --kill-after=10 "$(left 240)" python3 -m pytest -q tests/python/test_cuda_layer.py > "$LOGS/pytest_gpu.log" 2>&1; then
+      log "python gpu tests ok"
+    else
+      status=1; log "python gpu tests FAILED"
+    fi
+    tail -15 "$LOGS/pytest_gpu.log"
+  else
+    status=1; log "python extension build FAILED"; tail -20 "$LOGS/pybuild.log"
+  fi
 fi
 
 if has timing; then

@@ -57,3 +57,10 @@ if ! "$MOK_VENV/bin/python" -c "import torch, numpy, pytest, matplotlib, tqdm, p
   "$MOK_VENV/bin/pip" install -q --disable-pip-version-check -r "$MOK_ROOT/requirements.txt"
 fi
 
+
+# pybind11's headers and CMake files for the GPU machine, which has no internet: tools/gpu.sh builds
+# mok._C there from .deps/pybind11 (carried with .deps).
+if command -v nvcc >/dev/null && [ ! -f "$MOK_ROOT/.deps/pybind11/share/cmake/pybind11/pybind11Config.cmake" ]; then
+  src="$("$MOK_VENV/bin/python" -c 'import os, pybind11; print(os.path.dirname(pybind11.__file__))')"
+  rm -rf "$MOK_ROOT/.deps/pybind11" && cp -r "$src" "$MOK_ROOT/.deps/pybind11"
+fi

@@ -104,13 +104,16 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     d_w = [torch.empty(El, I, H, dtype=torch.float32, device=dev), torch.empty(El, I, H, dtype=torch.float32, device=dev),
            torch.empty(El, H, I, dtype=torch.float32, device=dev)] if with_backward else []
 
+    context = fused.new_context(dev) if with_backward else None
+
     def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
         x_in.copy_(p.x.detach())
         idx_in.copy_(p.topk_idx)
         w_in.copy_(p.topk_w.detach())
         with torch.enable_grad():  # the shared expert's graph, for the backward
             y_shared = shared_expert(p.x, p.shared, p.swiglu_limit)
-        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if y_shared is None else y_shared.detach())
+        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if y_shared is None else y_shared.detach(),
+                  context=context)
         return y, y_shared
 
     def output(state: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -132,7 +135,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
             assert p.shared is not None
             dx_shared, *d_shared = torch.autograd.grad(y_shared, [p.x, *p.shared], p.d_y)
         fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
-                       d_w_down=d_w[2], dx_shared=dx_shared)
+                       d_w_down=d_w[2], context=context, dx_shared=dx_shared)
         calls[0] += 1
         if calls[0] == 1:  # the correctness check's call: a failed wait is an error (timed calls do not sync)
             fused.check()

@@ -30,8 +30,9 @@ void write_error(const std::exception& e, char* error, int error_len) {
 // the caller (torch symmetric memory); their addresses come with every call.
 struct ForwardHandle {
   mok::cuda::MoeForwardArgs args;
-  mok::cuda::MoeBackwardArgs backward;  // set up when the handle keeps the forward's rows
+  mok::cuda::MoeBackwardArgs backward;  // its scratch, when the handle has a backward
   bool keeps_rows = false;
+  int64_t context_rows = 0;  // rows of a kept context's x_rows / h / gu (the row capacity, whole minibatches)
   mok::MoeConfig config;
   void* memory = nullptr;  // one cudaMalloc for all local buffers
   int device = 0;
@@ -156,9 +157,9 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 // Creates rank `rank`'s fused forward on the current device. Plan overrides: 0 = the planner's
 // choice. `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
-// keep_rows: the ring holds every row (ring_rows = row capacity) and g|u is saved, so
-// mok_cuda_backward_run can follow each forward (training); the handle then also owns the
-// backward's scratch rows.
+// keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
+// (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
+// (training: autograd saves them per call, so layers sharing a handle do not collide).
 void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64_t hidden, int64_t intermediate,
                               int64_t num_experts, int64_t topk, int has_limit, float limit, int comm_sms,
                               int64_t minibatch_rows, int64_t ring_rows, int keep_rows, double timeout_s,
@@ -193,8 +194,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.minibatch_rows = c.minibatch_rows;
     a.ring_rows = c.ring_rows;
     h->keeps_rows = keep_rows != 0;
-    if (h->keeps_rows)  // every row has its own ring row: the ring is the forward's saved context
-      a.ring_rows = (a.row_capacity + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
+    h->context_rows = (a.row_capacity + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
@@ -214,7 +214,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
                   o_counters = take(mok::cuda::megakernel_counter_words(cap, a.minibatch_rows) * 4),
                   o_status = take(16);
     const bool keep = h->keeps_rows;
-    const int64_t o_gu = keep ? take(cap * 2 * intermediate * 2) : 0, o_dy = keep ? take(cap * hidden * 2) : 0,
+    const int64_t o_dy = keep ? take(cap * hidden * 2) : 0,
                   o_rw = keep ? take(cap * 4) : 0, o_dgu = keep ? take(cap * 2 * intermediate * 2) : 0,
                   o_hw = keep ? take(cap * intermediate * 2) : 0,
                   o_dwp = keep ? take(cap * mok::cuda::dw_partial_blocks(intermediate) * 4) : 0,
@@ -235,20 +235,13 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.status = reinterpret_cast<int32_t*>(base + o_status);
     a.epoch = 0;
     if (keep) {
-      a.gu = base + o_gu;
       mok::cuda::MoeBackwardArgs& b = h->backward;
       b.shape = a.shape;
       b.rank = rank;
       b.hidden = hidden;
       b.intermediate = intermediate;
       b.layout = a.layout;
-      b.expert_offsets = a.expert_offsets;
-      b.src_rank = a.src_rank;
-      b.src_slot = a.src_slot;
       b.row_capacity = cap;
-      b.x_rows = a.ring_x;
-      b.h = a.ring_h;
-      b.gu = a.gu;
       b.dy_rows = base + o_dy;
       b.row_weight = reinterpret_cast<float*>(base + o_rw);
       b.dgu = base + o_dgu;
@@ -278,12 +271,31 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
 void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>(handle); }
 
 // One call of the fused forward (megakernel.h: moe_forward). bases: R device addresses of every
-// rank's symmetric buffer as seen from this device; gu (optional) [row_capacity, 2I] bf16 and
-// y_shared (optional) [T, H] bf16. Every rank must make the same sequence of calls.
+// rank's symmetric buffer as seen from this device; y_shared (optional) [T, H] bf16. Every rank
+// must make the same sequence of calls (forward and backward share one epoch sequence).
+// Context (all null, or all set on a keep_rows handle): the forward keeps its schedule and rows
+// there for the backward: offsets [El+1] int32, src_rank / src_slot [row capacity] int32,
+// x_rows [context rows, H], h [context rows, I], gu [context rows, 2I] bf16.
+struct Context {
+  void *x_rows, *h, *gu, *offsets, *src_rank, *src_slot;
+};
+
+namespace {
+bool use_context(const ForwardHandle& h, const Context& c) {
+  const bool any = c.x_rows || c.h || c.gu || c.offsets || c.src_rank || c.src_slot;
+  const bool all = c.x_rows && c.h && c.gu && c.offsets && c.src_rank && c.src_slot;
+  if (any && !all) throw std::invalid_argument("context buffers: give all six (x_rows, h, gu, offsets, src_rank, src_slot) or none");
+  if (all && !h.keeps_rows) throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
+  return all;
+}
+}  // namespace
+
 int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
-                         const void* y_shared, void* y, void* gu, void* stream, char* error, int error_len) {
+                         const void* y_shared, void* y, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
+                         void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
+    const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
     for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
     mok::cuda::MoeForwardArgs a = h->args;
@@ -293,7 +305,15 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     a.w_down = w_down;
     a.y_shared = y_shared;
     a.y = y;
-    if (gu != nullptr || !h->keeps_rows) a.gu = gu;  // a kept handle saves g|u in its own buffer
+    if (use_context(*h, c)) {  // every row keeps its own ring row: the ring is the saved context
+      a.ring_x = c.x_rows;
+      a.ring_h = c.h;
+      a.ring_rows = h->context_rows;
+      a.gu = c.gu;
+      a.expert_offsets = static_cast<int32_t*>(c.offsets);
+      a.src_rank = static_cast<int32_t*>(c.src_rank);
+      a.src_slot = static_cast<int32_t*>(c.src_slot);
+    }
     a.epoch = ++h->args.epoch;
     mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));
     return 0;
@@ -303,15 +323,17 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
   }
 }
 
-// The backward of the last forward (a handle created with keep_rows): every rank has written its
+// The backward of the forward that kept `ctx_*` (a keep_rows handle): every rank has written its
 // dy and topk_w into its symmetric buffer. Weight gradients are fp32 and overwritten.
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx, void* d_topk_w, void* d_w_gate, void* d_w_up,
-                          void* d_w_down, void* stream, char* error, int error_len) {
+                          void* d_w_down, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
+                          void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
-    if (h->args.epoch == 0) throw std::invalid_argument("the backward needs a forward first");
+    const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
+    if (!use_context(*h, c)) throw std::invalid_argument("the backward needs the context its forward kept");
     void* table[mok::cuda::kMaxRanks];
     for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
     mok::cuda::MoeBackwardArgs b = h->backward;
@@ -325,6 +347,12 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.d_w_gate = static_cast<float*>(d_w_gate);
     b.d_w_up = static_cast<float*>(d_w_up);
     b.d_w_down = static_cast<float*>(d_w_down);
+    b.x_rows = c.x_rows;
+    b.h = c.h;
+    b.gu = c.gu;
+    b.expert_offsets = static_cast<const int32_t*>(c.offsets);
+    b.src_rank = static_cast<const int32_t*>(c.src_rank);
+    b.src_slot = static_cast<const int32_t*>(c.src_slot);
     b.epoch = ++h->args.epoch;  // one sequence for forward and backward calls
     mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));
     return 0;
@@ -335,6 +363,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
 }
 
 int64_t mok_cuda_forward_row_capacity(void* handle) { return static_cast<ForwardHandle*>(handle)->args.row_capacity; }
+int64_t mok_cuda_forward_context_rows(void* handle) { return static_cast<ForwardHandle*>(handle)->context_rows; }
 
 // Synchronizes the device and describes the sticky status of every call so far ("" = fine).
 // Returns 0 when fine, 1 when a call failed (the message says which wait or which expert id).

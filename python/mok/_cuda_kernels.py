@@ -44,12 +44,14 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_double,
         ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
-    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 11 + [
+    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 17 + [
         ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
+    lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
     lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_run.restype = ctypes.c_int
-    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 8 + [
+    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 12 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
@@ -182,6 +184,23 @@ def symmetric_layout(tokens: int, hidden: int, topk: int, ranks: int) -> dict[st
     return dict(zip(LAYOUT_FIELDS, list(out)))
 
 
+class Context:
+    """What a training forward keeps for its backward (allocated per call from torch's allocator,
+    saved by autograd): the schedule and every routed row's x, h and g|u."""
+
+    def __init__(self, fused: "FusedForward", device: torch.device) -> None:
+        rows, cap, H, I = fused.context_rows, fused.row_capacity, fused.hidden, fused.intermediate
+        self.x_rows = torch.empty(rows, H, dtype=torch.bfloat16, device=device)
+        self.h = torch.empty(rows, I, dtype=torch.bfloat16, device=device)
+        self.gu = torch.empty(rows, 2 * I, dtype=torch.bfloat16, device=device)
+        self.offsets = torch.empty(fused.local_experts + 1, dtype=torch.int32, device=device)
+        self.src_rank = torch.empty(cap, dtype=torch.int32, device=device)
+        self.src_slot = torch.empty(cap, dtype=torch.int32, device=device)
+
+    def pointers(self) -> list[int]:
+        return [t.data_ptr() for t in (self.x_rows, self.h, self.gu, self.offsets, self.src_rank, self.src_slot)]
+
+
 class FusedForward:
     """One rank's fused MoE forward (the megakernel with its schedule, barrier and combine).
 
@@ -207,11 +226,20 @@ class FusedForward:
         self._handle = handle
         self.plan = plan.value.decode()
         self.ranks, self.tokens, self.hidden, self.intermediate, self.topk = ranks, tokens, hidden, intermediate, topk
+        self.local_experts = num_experts // ranks
+        self.keep_rows = keep_rows
         self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
+        self.context_rows = int(_lib().mok_cuda_forward_context_rows(handle))
+
+    def new_context(self, device: torch.device) -> Context:
+        if not self.keep_rows:
+            raise ValueError("this FusedForward was made without keep_rows: it keeps no context")
+        return Context(self, device)
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
-            *, y_shared: torch.Tensor | None = None, gu: torch.Tensor | None = None) -> None:
-        """Asynchronous on the current stream. bases: every rank's symmetric buffer address."""
+            *, y_shared: torch.Tensor | None = None, context: Context | None = None) -> None:
+        """Asynchronous on the current stream. bases: every rank's symmetric buffer address.
+        context (keep_rows only): where this call keeps what its backward needs."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = w_gate.shape[0]
         bf16 = torch.bfloat16
@@ -219,23 +247,22 @@ class FusedForward:
                  ("w_down", w_down, (El, H, I), bf16), ("y", y, (T, H), bf16)]
         if y_shared is not None:
             specs.append(("y_shared", y_shared, (T, H), bf16))
-        if gu is not None:
-            specs.append(("gu", gu, (self.row_capacity, 2 * I), bf16))
         _check_tensors(tuple(specs))
         if len(bases) != self.ranks:
             raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
+        ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
-                                         _ptr(y), _ptr(gu), torch.cuda.current_stream().cuda_stream, error, len(error))
+                                         _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
         if rc != 0:
             raise ValueError(error.value.decode())
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
-                 d_w_down: torch.Tensor, dx_shared: torch.Tensor | None = None) -> None:
-        """The backward of the last :meth:`run` (a handle made with keep_rows): every rank has written
-        its dy and topk_w into its symmetric buffer. Weight gradients are fp32. Asynchronous."""
+                 d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None) -> None:
+        """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
+        topk_w into its symmetric buffer. Weight gradients are fp32. Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = w_gate.shape[0]
         bf16, f32 = torch.bfloat16, torch.float32
@@ -251,7 +278,8 @@ class FusedForward:
         error = ctypes.create_string_buffer(512)
         rc = _lib().mok_cuda_backward_run(
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
-            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), torch.cuda.current_stream().cuda_stream, error, len(error))
+            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), *context.pointers(), torch.cuda.current_stream().cuda_stream,
+            error, len(error))
         if rc != 0:
             raise ValueError(error.value.decode())
 

@@ -150,14 +150,24 @@ def _show(v: float) -> str:
     return str(int(v)) if v == int(v) else repr(v)
 
 
+def _collective_device(group: EpGroup, t: torch.Tensor) -> torch.device:
+    """Where a collective on ``group`` can take ``t``: its own device, or the current GPU for a CPU
+    tensor on a group without a CPU backend (NCCL)."""
+    if t.device.type != "cpu" or "gloo" in str(dist.get_backend(group.pg)):
+        return t.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def all_gather_rows(group: EpGroup, rows: torch.Tensor) -> torch.Tensor:
     """``[R * n, ...]``: every rank's ``rows [n, ...]`` (same n everywhere), in group rank order."""
     rows = rows.contiguous()
     if group.size == 1:
         return rows
-    out = rows.new_empty((group.size * rows.shape[0],) + tuple(rows.shape[1:]))
-    dist.all_gather_into_tensor(out, rows, group=group.pg)
-    return out
+    device = _collective_device(group, rows)
+    moved = rows.to(device)
+    out = moved.new_empty((group.size * rows.shape[0],) + tuple(rows.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=group.pg)
+    return out.to(rows.device)
 
 
 def _all_to_all(group: EpGroup, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:

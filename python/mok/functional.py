@@ -438,6 +438,14 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
                 save_context)
 
 
+def _is_fake(t: Tensor) -> bool:
+    """FakeTensors (shape propagation, torch.compile tracing) take the ops path, whose fake
+    implementations give the shapes; only real GPU tensors go to the C API."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or torch._guards.detect_fake_mode(t) is not None
+
+
 def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
          shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
          save_context: bool) -> Tensor:
@@ -450,6 +458,11 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
     s_gate, s_up, s_down, shape = _checked(group_name, "build_schedule", check)
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
+    if x.is_cuda and not _is_fake(x):  # the fused forward (megakernel) and its backward, through the C API
+        from . import _cuda_layer
+
+        return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
+                               group_name)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)
     y, *_ = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
                                   list(schedule), swiglu_limit, group_name, save_context)

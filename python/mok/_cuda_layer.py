@@ -1,0 +1,174 @@
+"""The GPU path of :func:`mok.functional.moe`: the fused forward (the megakernel) and its backward,
+through the C API (:mod:`mok._cuda_kernels`), with torch autograd around them.
+
+One workspace per (expert-parallel group, shapes, device): a symmetric buffer per rank (torch
+symmetric memory, rendezvous on the group; a plain device buffer without a group) and one C API
+handle (the planner's sizes, the backward's scratch). Every call writes this rank's x, topk_idx,
+topk_w (and, in the backward, dy) into the symmetric buffer, then makes one call; the ranks meet at
+the call's start barrier, so every rank of the group must make the same sequence of calls (one
+epoch sequence per workspace). What a forward keeps for its backward (schedule, x rows, h, g|u)
+is allocated per call from torch's allocator and saved by autograd, so layers sharing a workspace
+do not collide. The shared expert runs in torch; its output enters the combine.
+
+Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
+handle and raised by :func:`check` (it synchronizes). *Planned:* the fused backward with replay;
+``save_context=False`` currently keeps the context too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _cuda_kernels as kernels
+from . import _dist
+from .testing import swiglu
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Key:
+    group_name: str
+    tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    topk: int
+    swiglu_limit: float | None
+    device: int
+
+
+class _Workspace:
+    def __init__(self, key: _Key, ep: _dist.EpGroup) -> None:
+        T, H, k, R = key.tokens, key.hidden, key.topk, ep.size
+        device = torch.device("cuda", key.device)
+        self.layout = kernels.symmetric_layout(T, H, k, R)
+        total = self.layout["total"]
+        if ep.size == 1:
+            self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+            self.handle = None
+            self.bases = [self.buffer.data_ptr()]
+        else:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            try:
+                symm_mem.enable_symm_mem_for_group(ep.name)
+            except Exception:  # not needed on newer torch
+                pass
+            self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device).zero_()
+            self.handle = symm_mem.rendezvous(self.buffer, ep.pg)
+            self.bases = [int(self.handle.buffer_ptrs[r]) for r in range(R)]
+        self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
+                                          num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
+                                          keep_rows=True)
+        self.x = self._view("x", torch.bfloat16, (T, H))
+        self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
+        self.topk_w = self._view("topk_w", torch.float32, (T, k))
+        self.dy = self._view("dy", torch.bfloat16, (T, H))
+
+    def _view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        return self.buffer[self.layout[name]: self.layout[name] + nbytes].view(dtype).view(shape)
+
+
+_WORKSPACES: dict[_Key, _Workspace] = {}
+
+
+def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None) -> _Workspace:
+    ep = _dist.resolve(group_name)
+    El, I, H = w_gate.shape
+    key = _Key(group_name, x.shape[0], H, I, El * ep.size, topk, swiglu_limit, x.device.index or 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _Workspace(key, ep)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def clear() -> None:
+    """Drops every workspace (their C API handles and buffers)."""
+    for ws in _WORKSPACES.values():
+        ws.fused.close()
+    _WORKSPACES.clear()
+
+
+def check() -> None:
+    """Raises RuntimeError naming the rank and the wait if any call of any workspace failed (syncs)."""
+    for ws in _WORKSPACES.values():
+        ws.fused.check()
+
+
+def _bf16(w: Tensor) -> Tensor:
+    return w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
+
+
+class _FusedMoe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                y_shared: Tensor | None, ws: _Workspace) -> Tensor:
+        ws.x.copy_(x)
+        ws.topk_idx.copy_(topk_idx)
+        ws.topk_w.copy_(topk_w)
+        context = ws.fused.new_context(x.device)
+        y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y,
+                     y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
+        ctx.ws, ctx.context = ws, context
+        ctx.has_shared = y_shared is not None
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down)
+        ctx.set_materialize_grads(False)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
+        ws: _Workspace = ctx.ws
+        topk_w, w_gate, w_up, w_down = ctx.saved_tensors
+        T, H = ws.x.shape
+        device = topk_w.device
+        if dy is None:  # still run: the other ranks' backward needs this rank's part
+            dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
+        ws.dy.copy_(dy)
+        ws.topk_w.copy_(topk_w)
+        El, I, _ = w_gate.shape
+        dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+        d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)
+        d_gate = torch.empty(El, I, H, dtype=torch.float32, device=device)
+        d_up = torch.empty(El, I, H, dtype=torch.float32, device=device)
+        d_down = torch.empty(El, H, I, dtype=torch.float32, device=device)
+        ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
+                          d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context)
+        ctx.context = None
+        return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
+                dy if ctx.has_shared else None, None)
+
+
+def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None) -> Tensor:
+    """The replicated shared expert in torch (bf16 matmuls, differentiable)."""
+    g = F.linear(x, s_gate.to(x.dtype))
+    u = F.linear(x, s_up.to(x.dtype))
+    return F.linear(swiglu(g, u, swiglu_limit), s_down.to(x.dtype))
+
+
+def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+        s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
+        group_name: str) -> Tensor:
+    """The checked inputs of :func:`mok.functional.moe` on the GPU."""
+    if not kernels.available():
+        raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
+                                  "loadable here; use CPU tensors or build with CUDA")
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
+                                  f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit)
+    y_shared = None
+    if s_gate is not None and s_up is not None and s_down is not None:
+        y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
+    return _FusedMoe.apply(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
+                           y_shared, ws)

@@ -1,0 +1,60 @@
+"""The GPU path of mok.moe (the fused forward and its backward through the C API) against the
+pure-torch reference; skipped where there is no Hopper GPU or the sm_90a library is not built
+(tools/gpu.sh runs it on the H200s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+mok = pytest.importorskip("mok")
+from mok import _cuda_kernels  # noqa: E402
+from mok import testing  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _cuda_kernels.available()),
+    reason="needs an sm_90 GPU and libmok_cuda_capi.so",
+)
+
+
+def _run(p: testing.MoeProblem, dy: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+    shared = [t.detach().clone().requires_grad_(True) for t in p.shared] if p.shared is not None else None
+    y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], shared, swiglu_limit=p.swiglu_limit)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves] + ([t.grad for t in shared] if shared else [])
+
+
+@pytest.mark.parametrize("shared_intermediate,limit,routing", [(256, None, "uniform"), (0, 0.75, "zipf")])
+def test_matches_the_reference_and_is_bitwise_stable(shared_intermediate: int, limit: float | None,
+                                                    routing: str) -> None:
+    p = testing.random_problem(300, 16, 512, 256, 4, shared_intermediate=shared_intermediate, swiglu_limit=limit,
+                               routing=routing, seed=3, device="cuda")
+    dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(9)).to(torch.bfloat16)
+    first = _run(p, dy)
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+    ref = testing.moe_reference_grads(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, dy, shared=p.shared,
+                                      swiglu_limit=limit)
+    expected = [ref.y, ref.d_x, ref.d_topk_w, ref.d_w_gate, ref.d_w_up, ref.d_w_down]
+    for name, got, want in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], first, expected):
+        assert got is not None and torch.isfinite(got.float()).all(), name
+        err = testing.relative_error(got, want)
+        assert err < 2e-2, f"{name}: rel error {err}"
+    again = _run(p, dy)
+    for name, a, b in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], first, again):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+def test_an_expert_id_out_of_range_is_named() -> None:
+    p = testing.random_problem(64, 8, 256, 128, 2, seed=5, device="cuda")
+    bad = p.topk_idx.clone()
+    bad[7, 1] = 8
+    from mok import _cuda_layer
+
+    _cuda_layer.clear()
+    mok.moe(p.x, bad, p.topk_w, p.w_gate, p.w_up, p.w_down)
+    with pytest.raises(RuntimeError, match=r"topk_idx\[rank 0\]\[token 7\]\[1\] = 8 is out of range"):
+        _cuda_layer.check()
+    _cuda_layer.clear()
