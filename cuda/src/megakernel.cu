@@ -52,6 +52,30 @@ void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_
   check(cudaGetLastError(), signal ? "launch start barrier" : "launch combine wait");
 }
 
+// What the forward and the backward check alike: ranks, this rank, the layout against the
+// shapes, one buffer per rank, the row capacity, the epoch and the timeout.
+std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, const SymmetricLayout& l,
+                          void* const* bases, int64_t row_capacity, uint32_t epoch, double timeout_s) {
+  std::ostringstream why;
+  if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
+  if (rank < 0 || rank >= s.ranks) why << "rank " << rank << " is not in [0, " << s.ranks << "); ";
+  if (l.tokens != s.tokens_per_rank || l.hidden != hidden || l.topk != s.topk || l.ranks != s.ranks)
+    why << "the symmetric layout was made for T=" << l.tokens << " H=" << l.hidden << " k=" << l.topk << " R=" << l.ranks
+        << ", not T=" << s.tokens_per_rank << " H=" << hidden << " k=" << s.topk << " R=" << s.ranks << "; ";
+  if (bases == nullptr) {
+    why << "bases (one symmetric buffer per rank) is null; ";
+  } else {
+    for (int64_t r = 0; r < s.ranks && r < kMaxRanks; ++r)
+      if (bases[r] == nullptr) why << "bases[" << r << "] is null; ";
+  }
+  if (row_capacity < routed_row_capacity(s))
+    why << "row_capacity " << row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
+  if (row_capacity > (int64_t{1} << 30)) why << "row_capacity must be <= 2^30; ";
+  if (epoch == 0) why << "epoch must be > 0; ";
+  if (!(timeout_s > 0.0)) why << "timeout_s must be > 0; ";
+  return why.str();
+}
+
 }  // namespace
 
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {
@@ -62,8 +86,7 @@ std::string can_implement(const MoeForwardArgs& a) {
   std::ostringstream why;
   const RoutingShape& s = a.shape;
   const int64_t El = s.local_experts();
-  if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
-  if (a.rank < 0 || a.rank >= s.ranks) why << "rank " << a.rank << " is not in [0, " << s.ranks << "); ";
+  why << common_checks(s, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
   if (s.tokens_per_rank < 0 || s.topk < 1 || s.num_experts < 1 || s.num_experts % std::max<int64_t>(s.ranks, 1) != 0)
     why << "bad routing shape (T=" << s.tokens_per_rank << ", k=" << s.topk << ", E=" << s.num_experts << "); ";
   if (El < 1 || El > GemmConfig::kMaxExperts)
@@ -71,30 +94,15 @@ std::string can_implement(const MoeForwardArgs& a) {
   if (a.hidden < 8 || a.hidden % 8 != 0) why << "hidden must be a positive multiple of 8, got " << a.hidden << "; ";
   if (a.intermediate < 8 || a.intermediate % 8 != 0)
     why << "intermediate must be a positive multiple of 8, got " << a.intermediate << "; ";
-  const SymmetricLayout& l = a.layout;
-  if (l.tokens != s.tokens_per_rank || l.hidden != a.hidden || l.topk != s.topk || l.ranks != s.ranks)
-    why << "the symmetric layout was made for T=" << l.tokens << " H=" << l.hidden << " k=" << l.topk << " R=" << l.ranks
-        << ", not T=" << s.tokens_per_rank << " H=" << a.hidden << " k=" << s.topk << " R=" << s.ranks << "; ";
-  if (a.bases == nullptr) {
-    why << "bases (one symmetric buffer per rank) is null; ";
-  } else {
-    for (int64_t r = 0; r < s.ranks && r < kMaxRanks; ++r)
-      if (a.bases[r] == nullptr) why << "bases[" << r << "] is null; ";
-  }
   if (!a.w_gate || !a.w_up || !a.w_down || !a.expert_offsets || !a.expert_rows || !a.src_rank || !a.src_slot ||
       !a.schedule_workspace || !a.routing_status || !a.ring_x || !a.ring_h || !a.counters || !a.y || !a.status)
     why << "weights, schedule buffers, ring, counters, y and status must not be null; ";
-  if (a.row_capacity < routed_row_capacity(s))
-    why << "row_capacity " << a.row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
-  if (a.row_capacity > (int64_t{1} << 30)) why << "row_capacity must be <= 2^30; ";
   if (a.minibatch_rows < GemmConfig::kBlockM || a.minibatch_rows % GemmConfig::kBlockM != 0)
     why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
   else if (a.ring_rows < a.minibatch_rows || a.ring_rows % a.minibatch_rows != 0)
     why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
         << "; ";
-  if (a.epoch == 0) why << "epoch must be > 0; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  if (!(a.timeout_s > 0.0)) why << "timeout_s must be > 0; ";
   std::string out = why.str();
   if (out.size() >= 2) out.resize(out.size() - 2);
   return out;
@@ -212,24 +220,13 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
 
 std::string can_implement(const MoeBackwardArgs& a) {
   std::ostringstream why;
-  const RoutingShape& s = a.shape;
-  if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
-  if (a.rank < 0 || a.rank >= s.ranks) why << "rank " << a.rank << " is not in [0, " << s.ranks << "); ";
-  const SymmetricLayout& l = a.layout;
-  if (l.tokens != s.tokens_per_rank || l.hidden != a.hidden || l.topk != s.topk || l.ranks != s.ranks)
-    why << "the symmetric layout was made for T=" << l.tokens << " H=" << l.hidden << " k=" << l.topk << " R=" << l.ranks
-        << ", not T=" << s.tokens_per_rank << " H=" << a.hidden << " k=" << s.topk << " R=" << s.ranks << "; ";
-  if (a.bases == nullptr) why << "bases is null; ";
-  if (a.row_capacity < routed_row_capacity(s))
-    why << "row_capacity " << a.row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
+  why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
   if (!a.x_rows || !a.h || !a.gu)
     why << "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that kept them; ";
   if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
     why << "scratch, outputs, schedule and status pointers must be set; ";
-  if (a.epoch == 0) why << "epoch must be > 0; ";
-  if (!(a.timeout_s > 0.0)) why << "timeout_s must be > 0; ";
   std::string out = why.str();
   if (out.size() >= 2) out.resize(out.size() - 2);
   return out;
