@@ -36,17 +36,54 @@ struct ForwardHandle {
   mok::MoeConfig config;
   void* memory = nullptr;  // one cudaMalloc for all local buffers
   int device = 0;
+  // Pinned host copies of the status words, refreshed asynchronously after every call: the next
+  // call reads them without a device sync and raises if an earlier call failed.
+  struct Mirror {
+    int32_t words[4];
+    mok::cuda::RoutingStatus routing;
+    int32_t experts;
+  };
+  Mirror* mirror = nullptr;
 
   ~ForwardHandle() {
-    if (memory != nullptr) {
-      int current = 0;
-      cudaGetDevice(&current);
-      cudaSetDevice(device);
-      cudaFree(memory);
-      cudaSetDevice(current);
-    }
+    int current = 0;
+    cudaGetDevice(&current);
+    cudaSetDevice(device);
+    if (memory != nullptr) cudaFree(memory);
+    if (mirror != nullptr) cudaFreeHost(mirror);
+    cudaSetDevice(current);
   }
 };
+
+// What went wrong in the calls the statuses cover ("" = nothing).
+std::string describe_statuses(const ForwardHandle& h, const int32_t words[4], const mok::cuda::RoutingStatus& rs,
+                              int32_t experts) {
+  std::string text = mok::cuda::describe_wait_status(words, h.args.epoch);
+  const std::string bad = mok::cuda::describe(rs, h.args.shape);
+  if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
+  if (experts != 0) text += std::string(text.empty() ? "" : "; ") + "expert backward: " + mok::cuda::status_message(experts);
+  return text;
+}
+
+// Throws if the mirror shows a failed earlier call (it lags the device: no sync).
+void raise_earlier_failure(const ForwardHandle& h) {
+  const volatile ForwardHandle::Mirror* m = h.mirror;
+  int32_t words[4];
+  for (int i = 0; i < 4; ++i) words[i] = m->words[i];
+  mok::cuda::RoutingStatus rs;
+  rs.bad_expert = m->routing.bad_expert;
+  const std::string text = describe_statuses(h, words, rs, m->experts);
+  if (!text.empty()) throw std::runtime_error("an earlier call failed (the workspace stays failed): " + text);
+}
+
+// Queues the copies of the device statuses into the mirror after a call.
+void refresh_mirror(const ForwardHandle& h, cudaStream_t stream) {
+  cudaMemcpyAsync(h.mirror->words, h.args.status, sizeof h.mirror->words, cudaMemcpyDeviceToHost, stream);
+  cudaMemcpyAsync(&h.mirror->routing, h.args.routing_status, sizeof h.mirror->routing, cudaMemcpyDeviceToHost, stream);
+  if (h.keeps_rows)
+    cudaMemcpyAsync(&h.mirror->experts, h.backward.experts_status, sizeof h.mirror->experts, cudaMemcpyDeviceToHost,
+                    stream);
+}
 
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
@@ -221,6 +258,9 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
                   o_dx = keep ? take(cap * hidden * 2) : 0, o_drw = keep ? take(cap * 4) : 0,
                   o_xs = keep ? take(16) : 0;
     cuda_check(cudaMalloc(&h->memory, std::max<int64_t>(at, 256)), "allocate the forward's buffers");
+    cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&h->mirror), sizeof(ForwardHandle::Mirror), cudaHostAllocDefault),
+               "allocate the status mirror");
+    std::memset(h->mirror, 0, sizeof(ForwardHandle::Mirror));
     cuda_check(cudaMemset(h->memory, 0, std::max<int64_t>(at, 256)), "zero the forward's buffers");
     char* base = static_cast<char*>(h->memory);
     a.expert_offsets = reinterpret_cast<int32_t*>(base + o_offsets);
@@ -314,12 +354,17 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
       a.src_rank = static_cast<int32_t*>(c.src_rank);
       a.src_slot = static_cast<int32_t*>(c.src_slot);
     }
+    raise_earlier_failure(*h);
     a.epoch = ++h->args.epoch;
     mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));
+    refresh_mirror(*h, static_cast<cudaStream_t>(stream));
     return 0;
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {  // bad arguments: 1
     write_error(e, error, error_len);
     return 1;
+  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
+    write_error(e, error, error_len);
+    return 2;
   }
 }
 
@@ -353,12 +398,17 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.expert_offsets = static_cast<const int32_t*>(c.offsets);
     b.src_rank = static_cast<const int32_t*>(c.src_rank);
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
+    raise_earlier_failure(*h);
     b.epoch = ++h->args.epoch;  // one sequence for forward and backward calls
     mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));
+    refresh_mirror(*h, static_cast<cudaStream_t>(stream));
     return 0;
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {  // bad arguments: 1
     write_error(e, error, error_len);
     return 1;
+  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
+    write_error(e, error, error_len);
+    return 2;
   }
 }
 
@@ -373,16 +423,12 @@ int mok_cuda_forward_check(void* handle, char* message, int message_len) {
   try {
     int32_t words[4] = {0, 0, 0, 0};
     cuda_check(cudaMemcpy(words, h->args.status, sizeof words, cudaMemcpyDeviceToHost), "read the status");
-    text = mok::cuda::describe_wait_status(words, h->args.epoch);
     mok::cuda::RoutingStatus rs;
     cuda_check(cudaMemcpy(&rs, h->args.routing_status, sizeof rs, cudaMemcpyDeviceToHost), "read the routing status");
-    const std::string bad = mok::cuda::describe(rs, h->args.shape);
-    if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
-    if (h->keeps_rows) {
-      int32_t experts = 0;
+    int32_t experts = 0;
+    if (h->keeps_rows)
       cuda_check(cudaMemcpy(&experts, h->backward.experts_status, 4, cudaMemcpyDeviceToHost), "read the status");
-      if (experts != 0) text += std::string(text.empty() ? "" : "; ") + "expert backward: " + mok::cuda::status_message(experts);
-    }
+    text = describe_statuses(*h, words, rs, experts);
   } catch (const std::exception& e) {
     text = e.what();
   }

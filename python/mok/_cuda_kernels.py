@@ -184,6 +184,14 @@ def symmetric_layout(tokens: int, hidden: int, topk: int, ranks: int) -> dict[st
     return dict(zip(LAYOUT_FIELDS, list(out)))
 
 
+def _raise(rc: int, error: ctypes.Array) -> None:
+    """rc 1: the arguments were refused (ValueError); rc 2: an earlier call failed, or CUDA did."""
+    if rc == 1:
+        raise ValueError(error.value.decode())
+    if rc != 0:
+        raise RuntimeError(f"mok fused forward: {error.value.decode()}")
+
+
 class Context:
     """What a training forward keeps for its backward (allocated per call from torch's allocator,
     saved by autograd): the schedule and every routed row's x, h and g|u."""
@@ -255,8 +263,7 @@ class FusedForward:
         ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
                                          _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
-        if rc != 0:
-            raise ValueError(error.value.decode())
+        _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
@@ -280,8 +287,7 @@ class FusedForward:
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
             _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), *context.pointers(), torch.cuda.current_stream().cuda_stream,
             error, len(error))
-        if rc != 0:
-            raise ValueError(error.value.decode())
+        _raise(rc, error)
 
     def check(self) -> None:
         """Raises RuntimeError naming the rank and the wait (or the bad expert id) if a call failed."""

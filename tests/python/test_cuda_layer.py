@@ -57,4 +57,7 @@ def test_an_expert_id_out_of_range_is_named() -> None:
     mok.moe(p.x, bad, p.topk_w, p.w_gate, p.w_up, p.w_down)
     with pytest.raises(RuntimeError, match=r"topk_idx\[rank 0\]\[token 7\]\[1\] = 8 is out of range"):
         _cuda_layer.check()
+    # The workspace stays failed: the next call raises too, without a device sync of its own.
+    with pytest.raises(RuntimeError, match="an earlier call failed"):
+        mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
     _cuda_layer.clear()
