@@ -144,6 +144,62 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     return Runner(forward=forward, output=output, backward=backward)
 
 
+@register_impl("mok_gemms", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
+               description="MoK expert GEMMs alone on the rows the fused forward gathered (no communication)")
+def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
+    """The yardstick of the fused forward's overlap (issue: within 1.15x of the expert-GEMM-only
+    time of the same rows): one fused forward keeps its schedule and rows, then the timed pass is
+    the two expert kernels on exactly those rows."""
+    if not ctx.runtime.is_cuda:
+        raise Skip("the MoK kernels need an sm_90a GPU")
+    if problem.case.precision != "bf16":
+        raise Skip(f"precision {problem.case.precision} not implemented yet")
+    kernels = _cuda_kernels()
+    p = problem
+    T, H, I, k, R = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks
+    buffer, bases = _symmetric(p, ctx, kernels)
+    layout = kernels.symmetric_layout(T, H, k, R)
+
+    def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        return buffer[layout[name]: layout[name] + nbytes].view(dtype).view(shape)
+
+    fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=I, num_experts=p.preset.E,
+                                 topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True)
+    context = fused.new_context(p.x.device)
+    w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
+    view("x", torch.bfloat16, (T, H)).copy_(p.x.detach())
+    view("topk_idx", torch.int32, (T, k)).copy_(p.topk_idx)
+    view("topk_w", torch.float32, (T, k)).copy_(p.topk_w.detach())
+    y_shared = shared_expert(p.x.detach(), None if p.shared is None else tuple(w.detach() for w in p.shared),
+                             p.swiglu_limit)
+    fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared, context=context)
+    fused.check()
+    h = torch.empty_like(context.h)
+    y_rows = torch.empty_like(context.x_rows)
+
+    def forward() -> torch.Tensor:
+        kernels.experts_forward(context.x_rows, context.offsets, w_gate, w_up, w_down, h=h, y=y_rows,
+                                gu=context.gu, swiglu_limit=p.swiglu_limit)
+        return y_rows
+
+    def output(state: torch.Tensor) -> torch.Tensor:
+        # The GEMMs alone must reproduce the fused run's h on every scheduled row, bit for bit; the
+        # y checked against the reference is then the fused run's (with R > 1 the rows' outputs
+        # belong to other ranks' tokens).
+        used = int(context.offsets[-1])
+        if not torch.equal(h[:used], context.h[:used]):
+            raise RuntimeError("the expert GEMMs alone do not reproduce the fused forward's h bit for bit")
+        return y
+
+    return Runner(forward=forward, output=output, backward=None,
+                  no_backward_reason="a forward yardstick only")
+
+
 def _cuda_kernels() -> ModuleType:
     """mok._cuda_kernels, also when the package's compiled extension is not built (it needs none)."""
     try:
