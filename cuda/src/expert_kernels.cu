@@ -211,4 +211,17 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   wgrad(a.dy, H, H, a.hw, I, a.d_w_down);
 }
 
+void preload_expert_kernels() {
+  using KMajor = detail::BackwardMainloop<cute::GMMA::Major::K>;
+  using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
+  cudaFuncAttributes attr;
+  const char* what = "load the expert kernels";
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::SwiGluEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::StoreEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::SwiGluBackwardEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
+  check(cudaFuncGetAttributes(&attr, reduce_row_partials), what);
+}
+
 }  // namespace mok::cuda

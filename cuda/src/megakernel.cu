@@ -240,7 +240,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
   const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
-  preload_routing_kernels();
+  preload_routing_kernels();  // before the barrier spins (see moe_forward)
+  preload_expert_kernels();
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
 

@@ -84,6 +84,10 @@ std::string can_implement(const ExpertsBackwardArgs& args);
 // dx rows, d row weight and fp32 weight gradients; reductions in a fixed order (no atomics).
 void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
 
+// Loads every expert kernel on the current device now (routing.h: preload_routing_kernels says
+// why: a first launch under lazy loading can wait for spinning kernels).
+void preload_expert_kernels();
+
 // Status codes written to ExpertsForwardArgs::status.
 enum StatusCode : int32_t {
   kStatusOk = 0,
