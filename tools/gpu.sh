@@ -3,6 +3,8 @@
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
 # a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
+# Env: MOK_GTEST_FILTER, MOK_TIMING_ARGS, MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g.
+# "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, sanitize,
 # bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
 set -uo pipefail
@@ -146,7 +148,7 @@ if has bench_2gpu; then
   # A hard timeout on top of the harness's own budget: a stuck collective must not eat the call.
   budget="${MOK_BENCH_BUDGET_2GPU:-${MOK_BENCH_BUDGET:-330}}"
   timeout --kill-after=10 "$(left $((budget + 150)))" torchrun --standalone --nproc-per-node=2 -m bench.run \
-    --cases baselines_2gpu --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
+    --cases "${MOK_BENCH_CASES_2GPU:-baselines_2gpu}" --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
     > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
   publish; log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
