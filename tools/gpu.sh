@@ -5,7 +5,8 @@
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_TIMING_ARGS, MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g.
 # "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
-# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, sanitize,
+# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, mk_timing
+# (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -108,6 +109,11 @@ fi
 if has timing; then
   timeout --kill-after=10 "$(left 180)" "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-} > "$LOGS/timing.log" 2>&1 || status=1
   log "timing:"; cat "$LOGS/timing.log" | tee -a "$LOGS/summary.txt"
+fi
+
+if has mk_timing; then
+  timeout --kill-after=10 "$(left 180)" "$BUILD/cuda/megakernel_timing" ${MOK_MK_TIMING_ARGS:-} > "$LOGS/megakernel_timing.log" 2>&1 || status=1
+  log "megakernel timing:"; cat "$LOGS/megakernel_timing.log" | tee -a "$LOGS/summary.txt"
 fi
 
 if has sanitize; then

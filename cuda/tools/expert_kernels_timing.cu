@@ -12,6 +12,9 @@
 
 #include "mok/cuda/expert_kernels.h"
 
+// bf16 values uniform in [-scale, scale], from a hash of the index (tools/fill_random.cu).
+void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale);
+
 namespace {
 
 #define CHECK_CUDA(x)                                                              \
@@ -22,18 +25,6 @@ namespace {
       std::exit(1);                                                                \
     }                                                                              \
   } while (0)
-
-__global__ void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float v = (float(h & 0xffffff) / float(0xffffff) - 0.5f) * 2.0f * scale;
-    uint32_t bits = __float_as_uint(v);
-    p[i] = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-  }
-}
 
 template <class F>
 float time_ms(F f, int iters) {
@@ -68,10 +59,10 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   CHECK_CUDA(cudaMalloc(&status, 4));
   CHECK_CUDA(cudaMemset(status, 0, 4));
   CHECK_CUDA(cudaMemcpy(off, offsets.data(), (El + 1) * 4, cudaMemcpyHostToDevice));
-  fill_random<<<1024, 256>>>(x, M * H, 1, 1.0f);
-  fill_random<<<1024, 256>>>(wg, El * I * H, 2, 0.02f);
-  fill_random<<<1024, 256>>>(wu, El * I * H, 3, 0.02f);
-  fill_random<<<1024, 256>>>(wd, El * H * I, 4, 0.02f);
+  fill_random(x, M * H, 1, 1.0f);
+  fill_random(wg, El * I * H, 2, 0.02f);
+  fill_random(wu, El * I * H, 3, 0.02f);
+  fill_random(wd, El * H * I, 4, 0.02f);
   mok::cuda::ExpertsForwardArgs a;
   a.row_capacity = M;
   a.hidden = H;

@@ -1,0 +1,224 @@
+// Development timing of the fused forward (megakernel.h) on one GPU: R ranks share it (each on its
+// own stream with SMs / R - 1 CTAs, as in the GPU tests), against the expert GEMMs alone on rank
+// 0's rows with the same CTA count (the overlap yardstick: the fused forward should cost little
+// more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
+//   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "mok/core/planner.h"
+#include "mok/core/symmetric_layout.h"
+#include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/megakernel.h"
+
+// bf16 values uniform in [-scale, scale], from a hash of the index (tools/fill_random.cu).
+void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale);
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    cudaError_t e = (x);                                                                       \
+    if (e != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+template <class T>
+T* device(int64_t n) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
+  CHECK_CUDA(cudaMemset(p, 0, std::max<int64_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+struct Shape {
+  int64_t H, I, E, k, T, R, minibatch = 0, comm = 0;
+};
+
+void run(const Shape& s) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int R = int(s.R), ctas = R == 1 ? sms : sms / R - 1;
+  const int64_t El = s.E / s.R, H = s.H, I = s.I, T = s.T, k = s.k;
+  const mok::cuda::RoutingShape shape{s.R, T, k, s.E};
+  const int64_t cap = mok::cuda::routed_row_capacity(shape);
+  const mok::SymmetricLayout layout = mok::SymmetricLayout::make(T, H, k, s.R);
+  mok::MoeDesc d;
+  d.ranks = s.R;
+  d.tokens_per_rank = T;
+  d.hidden = H;
+  d.intermediate = I;
+  d.num_experts = s.E;
+  d.topk = k;
+  mok::DeviceFacts facts = mok::DeviceFacts::h200();
+  facts.sm_count = ctas;
+  mok::PlanOverrides o;
+  if (s.minibatch > 0) o.minibatch_rows = s.minibatch;
+  if (s.comm > 0) o.comm_sms = int(s.comm);
+  const mok::MoeConfig c = mok::plan(d, facts, o);
+
+  struct RankData {
+    void* base;
+    uint16_t *wg, *wu, *wd, *ring_x, *ring_h, *y;
+    int32_t *offsets, *rows, *src_rank, *src_slot, *status;
+    void* ws;
+    mok::cuda::RoutingStatus* rstatus;
+    uint32_t* counters;
+    cudaStream_t stream;
+  };
+  std::vector<RankData> ranks(R);
+  std::vector<void*> bases(R);
+  for (int r = 0; r < R; ++r) {
+    RankData& rd = ranks[r];
+    rd.base = device<uint8_t>(layout.total);
+    bases[r] = rd.base;
+    fill_random(mok::SymmetricLayout::at<uint16_t>(rd.base, layout.x), size_t(T * H), 10 + r, 1.0f);
+    std::vector<int32_t> idx(T * k);
+    for (int64_t t = 0; t < T; ++t)  // balanced: global token g takes experts (g*k + j) mod E
+      for (int64_t j = 0; j < k; ++j) idx[t * k + j] = int32_t(((r * T + t) * k + j) % s.E);
+    std::vector<float> w(T * k, 1.0f / float(k));
+    CHECK_CUDA(cudaMemcpy(mok::SymmetricLayout::at<void>(rd.base, layout.topk_idx), idx.data(), idx.size() * 4,
+                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(mok::SymmetricLayout::at<void>(rd.base, layout.topk_w), w.data(), w.size() * 4,
+                          cudaMemcpyHostToDevice));
+    rd.wg = device<uint16_t>(El * I * H);
+    rd.wu = device<uint16_t>(El * I * H);
+    rd.wd = device<uint16_t>(El * H * I);
+    fill_random(rd.wg, size_t(El * I * H), 20 + r, 0.02f);
+    fill_random(rd.wu, size_t(El * I * H), 30 + r, 0.02f);
+    fill_random(rd.wd, size_t(El * H * I), 40 + r, 0.02f);
+    rd.ring_x = device<uint16_t>(c.ring_rows * H);
+    rd.ring_h = device<uint16_t>(c.ring_rows * I);
+    rd.y = device<uint16_t>(T * H);
+    rd.offsets = device<int32_t>(El + 1);
+    rd.rows = device<int32_t>(El);
+    rd.src_rank = device<int32_t>(cap);
+    rd.src_slot = device<int32_t>(cap);
+    rd.status = device<int32_t>(4);
+    rd.ws = device<uint8_t>(mok::cuda::schedule_workspace_bytes(shape));
+    rd.rstatus = device<mok::cuda::RoutingStatus>(1);
+    rd.counters = device<uint32_t>(mok::cuda::megakernel_counter_words(cap, c.minibatch_rows));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&rd.stream, cudaStreamNonBlocking));
+  }
+  uint32_t epoch = 0;
+  auto fused = [&]() {
+    ++epoch;
+    for (int r = 0; r < R; ++r) {
+      RankData& rd = ranks[r];
+      mok::cuda::MoeForwardArgs a;
+      a.shape = shape;
+      a.rank = r;
+      a.hidden = H;
+      a.intermediate = I;
+      a.layout = layout;
+      a.bases = bases.data();
+      a.w_gate = rd.wg;
+      a.w_up = rd.wu;
+      a.w_down = rd.wd;
+      a.expert_offsets = rd.offsets;
+      a.expert_rows = rd.rows;
+      a.src_rank = rd.src_rank;
+      a.src_slot = rd.src_slot;
+      a.row_capacity = cap;
+      a.schedule_workspace = rd.ws;
+      a.routing_status = rd.rstatus;
+      a.minibatch_rows = c.minibatch_rows;
+      a.ring_rows = c.ring_rows;
+      a.ring_x = rd.ring_x;
+      a.ring_h = rd.ring_h;
+      a.counters = rd.counters;
+      a.y = rd.y;
+      a.epoch = epoch;
+      a.comm_ctas = c.comm_sms;
+      a.num_sms = ctas;
+      a.status = rd.status;
+      mok::cuda::moe_forward(a, rd.stream);
+    }
+    for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
+  };
+  auto timed = [&](auto&& f, int iters) {
+    for (int i = 0; i < 2; ++i) f();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a);
+    for (int i = 0; i < iters; ++i) f();
+    cudaEventRecord(b);
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    return ms / iters;
+  };
+  const float t_fused = timed(fused, 10);
+  int32_t words[4];
+  CHECK_CUDA(cudaMemcpy(words, ranks[0].status, 16, cudaMemcpyDeviceToHost));
+  const std::string status = mok::cuda::describe_wait_status(words, epoch);
+
+  // The GEMMs alone on rank 0's rows (gathered once), with the same CTAs.
+  RankData& r0 = ranks[0];
+  std::vector<int32_t> offsets(El + 1);
+  CHECK_CUDA(cudaMemcpy(offsets.data(), r0.offsets, (El + 1) * 4, cudaMemcpyDeviceToHost));
+  const int64_t used = offsets[El];
+  uint16_t* x_rows = device<uint16_t>(cap * H);
+  uint16_t* h = device<uint16_t>(cap * I);
+  uint16_t* y_rows = device<uint16_t>(cap * H);
+  int32_t* st = device<int32_t>(1);
+  std::vector<const void*> x_table(R);
+  for (int r = 0; r < R; ++r) x_table[r] = mok::SymmetricLayout::at<const void>(bases[r], layout.x);
+  mok::cuda::GatherArgs g;
+  g.shape = shape;
+  g.hidden = H;
+  g.schedule = {El, cap, r0.offsets, r0.src_rank, r0.src_slot};
+  g.x = x_table.data();
+  g.rows = x_rows;
+  mok::cuda::gather_rows(g, nullptr);
+  mok::cuda::ExpertsForwardArgs e;
+  e.row_capacity = cap;
+  e.hidden = H;
+  e.intermediate = I;
+  e.local_experts = El;
+  e.expert_offsets = r0.offsets;
+  e.x = x_rows;
+  e.w_gate = r0.wg;
+  e.w_up = r0.wu;
+  e.w_down = r0.wd;
+  e.h = h;
+  e.y = y_rows;
+  e.status = st;
+  e.num_sms = ctas;
+  const float t_gemms = timed([&] { mok::cuda::experts_forward(e, nullptr); }, 10);
+  const double flops = 6.0 * double(used) * double(H) * double(I);
+  std::printf(
+      "H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, comm %d, minibatch %lld, ring %lld | "
+      "fused %8.3f ms (all ranks) | GEMMs alone %8.3f ms (rank 0, %lld rows, %.0f TF/s) | fused/GEMMs %.2f%s%s\n",
+      (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas, c.comm_sms,
+      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_gemms, (long long)used,
+      flops / (t_gemms * 1e-3) / 1e12, t_fused / t_gemms, status.empty() ? "" : " | ", status.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Groups of 8 arguments: H I E k T R minibatch comm (0 = the planner's choice).
+  std::vector<Shape> shapes;
+  for (int i = 1; i + 7 < argc; i += 8) {
+    Shape s;
+    int64_t* fields[8] = {&s.H, &s.I, &s.E, &s.k, &s.T, &s.R, &s.minibatch, &s.comm};
+    for (int f = 0; f < 8; ++f) *fields[f] = std::atoll(argv[i + f]);
+    shapes.push_back(s);
+  }
+  if (shapes.empty()) {
+    shapes = {{7168, 2048, 384, 8, 4096, 1}, {7168, 2048, 384, 8, 4096, 2}, {2048, 768, 128, 8, 8192, 1},
+              {2880, 2880, 128, 4, 8192, 1}, {4096, 14336, 8, 2, 4096, 1}};
+  }
+  for (const Shape& s : shapes) run(s);
+  return 0;
+}
