@@ -78,6 +78,16 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
 
 }  // namespace
 
+void preload_kernels() {
+  preload_routing_kernels();
+  preload_expert_kernels();
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
+  check(cudaFuncSetAttribute(detail::megakernel_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(sizeof(detail::GroupedGemmSharedStorage))),
+        "load the megakernel");
+}
+
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {
   return counter_layout(row_capacity, minibatch_rows).words();
 }
@@ -118,12 +128,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
   // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
-  preload_routing_kernels();
+  preload_kernels();
   auto kernel = detail::megakernel_forward_kernel;
   const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
-  cudaFuncAttributes attr;
-  check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
 
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
@@ -240,10 +247,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
   const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
-  preload_routing_kernels();  // before the barrier spins (see moe_forward)
-  preload_expert_kernels();
-  cudaFuncAttributes attr;
-  check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
+  preload_kernels();  // before the barrier spins (see moe_forward)
 
   // 1. Every rank's dy and topk_w are in its symmetric buffer.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,

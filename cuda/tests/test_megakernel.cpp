@@ -171,6 +171,10 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       cudaGetLastError();  // "already enabled" is fine
     }
   }
+  for (int r = 0; r < R; ++r) {  // every device's kernels loaded before any rank spins
+    cudaSetDevice(ranks[r].device);
+    cuda::preload_kernels();
+  }
   std::vector<bool> launches(R, cfg.launch.empty());
   for (int r : cfg.launch) launches[r] = true;
 

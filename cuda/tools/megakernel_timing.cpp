@@ -107,6 +107,7 @@ void run(const Shape& s) {
     rd.counters = device<uint32_t>(mok::cuda::megakernel_counter_words(cap, c.minibatch_rows));
     CHECK_CUDA(cudaStreamCreateWithFlags(&rd.stream, cudaStreamNonBlocking));
   }
+  mok::cuda::preload_kernels();  // before any rank's barrier spins
   uint32_t epoch = 0;
   auto fused = [&]() {
     ++epoch;

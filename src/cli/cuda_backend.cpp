@@ -385,6 +385,7 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
     }
   };
   try {
+    cuda::preload_kernels();  // before any rank's barrier spins
     for (int64_t run = 0; run <= runs; ++run) {  // run 0: warm-up
       for (int r = 0; r < R; ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];

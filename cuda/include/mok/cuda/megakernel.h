@@ -114,6 +114,12 @@ std::string can_implement(const MoeBackwardArgs& args);
 void moe_backward(const MoeBackwardArgs& args, cudaStream_t stream);
 
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
+
+// Loads every kernel moe_forward and moe_backward launch, on the current device. Both call it
+// before their first spinning kernel; one host thread that drives several GPUs should also call
+// it on every device before the first call on any (loading a module can synchronize, and a
+// spinning rank would then hold up the launch of the rank it waits for).
+void preload_kernels();
 // Why moe_forward cannot run these arguments, or "" when it can.
 std::string can_implement(const MoeForwardArgs& args);
 void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
