@@ -238,9 +238,21 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
 // values of a half are dead once written, which keeps the read-back within the register budget.
 // Each thread then stores 16-byte pieces of 4 rows (thread / 8 + 32 i) at columns 8 * (thread % 8)
 // of both tiles.
-template <class Acc, class Coords>
-__device__ void push_rows(const MegaForwardParams& p, const MegaTask& task, Acc& acc, const Coords& coords,
-                          int thread, bfloat16_t* staging) {
+// Where a tile's rows go (Target: a view of the kernel's parameters, read in place, so that no
+// register holds a copy): row r of the schedule to target.dest(src_rank[r]) + src_slot[r] * width.
+struct CombineTarget {
+  const MegaForwardParams& p;
+  __device__ __nv_bfloat16* dest(int rank) const { return p.combine[rank]; }
+  __device__ const int32_t* src_rank() const { return p.src_rank; }
+  __device__ const int32_t* src_slot() const { return p.src_slot; }
+  __device__ int ranks() const { return p.ranks; }
+  __device__ int slots() const { return p.slots; }
+  __device__ int width() const { return p.hidden; }
+};
+
+template <class Target, class Acc, class Coords>
+__device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc, const Coords& coords, int thread,
+                          bfloat16_t* staging) {
   const int piece = thread % 8;
   if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
   static_for<2>([&](auto half_) {
@@ -259,15 +271,15 @@ __device__ void push_rows(const MegaForwardParams& p, const MegaTask& task, Acc&
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int r = thread / 8 + 32 * i;
-      const int row = task.row_block * GemmConfig::kBlockM + r;
-      const int rank = p.src_rank[row], slot = p.src_slot[row];
-      if (rank < 0 || rank >= p.ranks || slot < 0 || slot >= p.slots) continue;  // padding row
-      __nv_bfloat16* dst = p.combine[rank] + int64_t(slot) * p.hidden;
+      const int row = row_block * GemmConfig::kBlockM + r;
+      const int rank = p.src_rank()[row], slot = p.src_slot()[row];
+      if (rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots()) continue;  // padding row
+      __nv_bfloat16* dst = p.dest(rank) + int64_t(slot) * p.width();
       CUTE_UNROLL
       for (int b = 0; b < 2; ++b) {
-        const int col = task.tile.n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
+        const int col = n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
         Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
-        if (col < p.hidden) *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
+        if (col < p.width()) *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
       }
     }
   });
@@ -381,7 +393,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           add_release_gpu(&p.h_ready[task.row_block], 1);
         }
       } else {
-        push_rows(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
+        push_rows(CombineTarget{p}, task.row_block, task.tile.n_block, acc, tCcC, consumer_thread, smem.staging[0]);
         consumers_sync();  // every thread has read h (mainloop) and issued its stores
         if (consumer_thread == 0) add_release_gpu(&p.y_done[task.minibatch], 1);
       }
