@@ -154,7 +154,6 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   constexpr int kOnePlane = 1 << 30;
   using KMajor = detail::BackwardMainloop<cute::GMMA::Major::K>;
-  using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
   const int dw_blocks = int(dw_partial_blocks(I));
 
   if (R > 0) {
@@ -186,6 +185,14 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
            a.num_sms, stream);
   }
 
+  experts_wgrad(a, stream);
+}
+
+void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  constexpr int kOnePlane = 1 << 30;
+  using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
   // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
   //    dW_down = dy^T hw. A is read transposed (MN-major), B too. Empty experts get zeros.
   auto wgrad = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols,

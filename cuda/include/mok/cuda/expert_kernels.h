@@ -83,6 +83,9 @@ inline int64_t dw_partial_blocks(int64_t intermediate) { return (intermediate + 
 std::string can_implement(const ExpertsBackwardArgs& args);
 // dx rows, d row weight and fp32 weight gradients; reductions in a fixed order (no atomics).
 void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
+// Its last step alone: the weight gradients from x, dy and the dg|du, w*h rows of the dgrad
+// (dx, d_row_weight and dw_partial are not read).
+void experts_wgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
 
 // Loads every expert kernel on the current device now (routing.h: preload_routing_kernels says
 // why: a first launch under lazy loading can wait for spinning kernels).
