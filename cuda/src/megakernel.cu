@@ -180,10 +180,10 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.row_capacity = int(cap);
   p.ring_rows = int(ring);
   p.mb_rows = int(a.minibatch_rows);
-  p.n_gu = ceil_div(I, GemmConfig::kHalfN);
-  p.n_down = ceil_div(H, GemmConfig::kBlockN);
-  p.k_gu = ceil_div(H, GemmConfig::kBlockK);
-  p.k_down = ceil_div(I, GemmConfig::kBlockK);
+  p.n_first = ceil_div(I, GemmConfig::kHalfN);
+  p.n_second = ceil_div(H, GemmConfig::kBlockN);
+  p.k_first = ceil_div(H, GemmConfig::kBlockK);
+  p.k_second = ceil_div(I, GemmConfig::kBlockK);
   p.comm_ctas = comm;
   p.ranks = R;
   p.rank = me;

@@ -99,7 +99,7 @@ struct MegaForwardParams {
   SwiGluEpilogue::Params gu_store;  // h into the ring; g|u (optional) at global rows
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
-  int32_t n_gu, n_down, k_gu, k_down;
+  int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
   int32_t comm_ctas;
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
@@ -125,14 +125,17 @@ __device__ __forceinline__ int scheduled_rows(const MegaForwardParams& p) {
 }
 
 struct MegaTask {
-  bool down;
+  bool second;  // the second GEMM of the minibatch (forward: down)
   int minibatch;
   int row_block;  // global row block of the schedule
   GroupedTile tile;
 };
 
+// The task order of a two-GEMM pass (forward: gate/up then down; backward: dgrad of down then of
+// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second.
+template <class Params>
 struct MegaTasks {
-  const MegaForwardParams& p;
+  const Params& p;
   const GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>& s;
 
   __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
@@ -142,18 +145,18 @@ struct MegaTasks {
     const int rb = row_blocks(), mb = mb_blocks();
     if (rb == 0) return 0;
     const int full = (rb - 1) / mb;  // minibatches before the last
-    return full * mb * (p.n_gu + p.n_down) + (rb - full * mb) * (p.n_gu + p.n_down);
+    return full * mb * (p.n_first + p.n_second) + (rb - full * mb) * (p.n_first + p.n_second);
   }
 
   __device__ MegaTask at(int linear) const {
     const int mb = mb_blocks();
-    const int b = linear / (mb * (p.n_gu + p.n_down));
+    const int b = linear / (mb * (p.n_first + p.n_second));
     const int rbs = blocks_of(b);
-    int local = linear - b * mb * (p.n_gu + p.n_down);
+    int local = linear - b * mb * (p.n_first + p.n_second);
     MegaTask task;
-    task.down = local >= rbs * p.n_gu;
-    if (task.down) local -= rbs * p.n_gu;
-    const int n_blocks = task.down ? p.n_down : p.n_gu;
+    task.second = local >= rbs * p.n_first;
+    if (task.second) local -= rbs * p.n_first;
+    const int n_blocks = task.second ? p.n_second : p.n_first;
     // Groups of 8 row blocks, row block fastest (as GroupedTileScheduler: weights reused from L2).
     const int group = local / (8 * n_blocks);
     const int group_rows = min(8, rbs - group * 8);
@@ -179,7 +182,7 @@ struct MegaTasks {
     task.tile.n_block = in_group / group_rows;
     task.tile.row_end = s.offsets[lo + 1];
     task.tile.k_begin = 0;
-    task.tile.k_end = task.down ? p.k_down : p.k_gu;
+    task.tile.k_end = task.second ? p.k_second : p.k_first;
     return task;
   }
 };
@@ -196,7 +199,7 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
   for (int b = 0; b < minibatches; ++b) {
     if (b >= slots) {
       const int prev = b - slots;
-      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_down);
+      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
       if (threadIdx.x == 0) wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
       __syncthreads();
     }
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
 
-  const MegaTasks tasks{p, smem.tiles};
+  const MegaTasks<MegaForwardParams> tasks{p, smem.tiles};
   const int total = tasks.total();
 
   if (warpgroup == 0) {
@@ -325,13 +328,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int linear = cta; linear < total; linear += ctas) {
         const MegaTask task = tasks.at(linear);
-        if (task.down) {
-          wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_gu), p.status, kWaitHidden, task.row_block);
+        if (task.second) {
+          wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, kWaitHidden, task.row_block);
         } else {
           wait_at_least<false>(&p.x_ready[task.minibatch], uint32_t(p.comm_ctas), p.status, kWaitRows, task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
-        const ForwardMainloop::Params& load = task.down ? p.down_load : p.gu_load;
+        const ForwardMainloop::Params& load = task.second ? p.down_load : p.gu_load;
         for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
           pipeline.producer_acquire(state);
           ForwardMainloop::load(load, smem.a, smem.b, task.tile, kb, state.index(), *pipeline.producer_get_barrier(state));
@@ -383,7 +386,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       ++release_state;
       warpgroup_fence_operand(acc);
       const MegaTask task = tasks.at(linear);
-      if (!task.down) {
+      if (!task.second) {
         SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
         if (consumer_thread == 0) {
           // h of this tile is in global memory (not only read out of shared memory) before the count.
