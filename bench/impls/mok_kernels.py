@@ -27,6 +27,14 @@ def _layer_symmetric_bytes(case: Any, kernels: ModuleType) -> int:
     return kernels.symmetric_layout(case.tokens_per_rank or 0, preset.H, preset.topk, case.ranks)["total"]
 
 
+def _fresh_signals(buffer: torch.Tensor, layout: dict[str, int], ctx: BenchContext) -> None:
+    """A new handle starts its epochs at 1: the signal lines of its layout (where an earlier case's
+    flags or data may sit) are zeroed on every rank before any rank's first call."""
+    buffer[layout["signals"]: layout["total"]].zero_()
+    torch.cuda.synchronize()
+    ctx.runtime.barrier()
+
+
 def _symmetric(problem: Any, ctx: BenchContext, kernels: ModuleType) -> tuple[torch.Tensor, list[int]]:
     """One symmetric buffer for every mok case of the run, sized for the largest (allocated once and
     kept: freeing symmetric memory may be collective)."""
@@ -80,6 +88,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
     buffer, bases = _symmetric(p, ctx, kernels)
     layout = kernels.symmetric_layout(T, H, k, R)
+    _fresh_signals(buffer, layout, ctx)
 
     def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1
@@ -159,6 +168,7 @@ def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
     T, H, I, k, R = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks
     buffer, bases = _symmetric(p, ctx, kernels)
     layout = kernels.symmetric_layout(T, H, k, R)
+    _fresh_signals(buffer, layout, ctx)
 
     def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

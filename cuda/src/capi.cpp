@@ -211,6 +211,11 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     d.topk = topk;
     if (has_limit) d.swiglu_limit = limit;
     d.validate();
+    if (ranks > mok::cuda::kMaxRanks)
+      throw std::invalid_argument("ranks=" + std::to_string(ranks) + " exceeds the kernels' pointer tables (" +
+                                  std::to_string(mok::cuda::kMaxRanks) + ")");
+    if (rank < 0 || rank >= ranks)
+      throw std::invalid_argument("rank=" + std::to_string(rank) + " is not in [0, " + std::to_string(ranks) + ")");
     mok::PlanOverrides o;
     if (comm_sms > 0) o.comm_sms = comm_sms;
     if (minibatch_rows > 0) o.minibatch_rows = minibatch_rows;
@@ -249,7 +254,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
                   o_rstatus = take(sizeof(mok::cuda::RoutingStatus)), o_ring_x = take(a.ring_rows * hidden * 2),
                   o_ring_h = take(a.ring_rows * intermediate * 2),
                   o_counters = take(mok::cuda::megakernel_counter_words(cap, a.minibatch_rows) * 4),
-                  o_status = take(16);
+                  o_status = take(mok::cuda::kStatusWords * 4);
     const bool keep = h->keeps_rows;
     const int64_t o_dy = keep ? take(cap * hidden * 2) : 0,
                   o_rw = keep ? take(cap * 4) : 0, o_dgu = keep ? take(cap * 2 * intermediate * 2) : 0,
@@ -262,6 +267,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
                "allocate the status mirror");
     std::memset(h->mirror, 0, sizeof(ForwardHandle::Mirror));
     cuda_check(cudaMemset(h->memory, 0, std::max<int64_t>(at, 256)), "zero the forward's buffers");
+    cuda_check(cudaDeviceSynchronize(), "zero the forward's buffers");  // before any stream of the caller's uses them
     char* base = static_cast<char*>(h->memory);
     a.expert_offsets = reinterpret_cast<int32_t*>(base + o_offsets);
     a.expert_rows = reinterpret_cast<int32_t*>(base + o_rows);
@@ -355,8 +361,9 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
       a.src_slot = static_cast<int32_t*>(c.src_slot);
     }
     raise_earlier_failure(*h);
-    a.epoch = ++h->args.epoch;
-    mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));
+    a.epoch = h->args.epoch + 1;
+    mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));  // checks everything before it launches
+    h->args.epoch = a.epoch;  // one more call in the sequence every rank counts
     refresh_mirror(*h, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1
@@ -399,8 +406,9 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.src_rank = static_cast<const int32_t*>(c.src_rank);
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
     raise_earlier_failure(*h);
-    b.epoch = ++h->args.epoch;  // one sequence for forward and backward calls
-    mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));
+    b.epoch = h->args.epoch + 1;  // one sequence for forward and backward calls
+    mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));  // checks everything before it launches
+    h->args.epoch = b.epoch;
     refresh_mirror(*h, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1
@@ -420,7 +428,11 @@ int64_t mok_cuda_forward_context_rows(void* handle) { return static_cast<Forward
 int mok_cuda_forward_check(void* handle, char* message, int message_len) {
   auto* h = static_cast<ForwardHandle*>(handle);
   std::string text;
+  int previous = 0;
+  cudaGetDevice(&previous);
   try {
+    cuda_check(cudaSetDevice(h->device), "cudaSetDevice");
+    cuda_check(cudaDeviceSynchronize(), "synchronize for the status");  // every stream's calls, not only the legacy one's
     int32_t words[4] = {0, 0, 0, 0};
     cuda_check(cudaMemcpy(words, h->args.status, sizeof words, cudaMemcpyDeviceToHost), "read the status");
     mok::cuda::RoutingStatus rs;
@@ -432,6 +444,7 @@ int mok_cuda_forward_check(void* handle, char* message, int message_len) {
   } catch (const std::exception& e) {
     text = e.what();
   }
+  cudaSetDevice(previous);
   if (message != nullptr && message_len > 0) {
     std::strncpy(message, text.c_str(), size_t(message_len - 1));
     message[message_len - 1] = '\0';

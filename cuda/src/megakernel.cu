@@ -125,19 +125,23 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts();
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
-  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
   // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
   auto kernel = detail::megakernel_forward_kernel;
   const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
 
-  // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
-  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
-          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
-          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
-
-  // 2. This rank's schedule from every rank's topk_idx.
+  // Everything is checked before the first launch: a throw after the start barrier would leave
+  // the other ranks waiting for this one's pushes.
+  const int device_sms = host_util::device_sms(0);
+  const int sms = host_util::device_sms(a.num_sms);
+  const int comm = a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
+  if (sms > device_sms)
+    throw std::invalid_argument("mok moe_forward: num_sms " + std::to_string(sms) + " exceeds the device's " +
+                                std::to_string(device_sms) + " SMs (one resident CTA per SM)");
+  if (comm >= sms) throw std::invalid_argument("mok moe_forward: comm_ctas must leave compute CTAs (comm_ctas " +
+                                               std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
   const int32_t* topk_idx[kMaxRanks];
   for (int s = 0; s < R; ++s) topk_idx[s] = SymmetricLayout::at<const int32_t>(a.bases[s], l.topk_idx);
   ScheduleArgs sa;
@@ -151,15 +155,28 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   sa.row_capacity = a.row_capacity;
   sa.workspace = a.schedule_workspace;
   sa.status = a.routing_status;
+  CombineArgs c;
+  c.tokens = shape.tokens_per_rank;
+  c.hidden = H;
+  c.topk = shape.topk;
+  c.y_shared = a.y_shared;
+  c.slots = SymmetricLayout::at<const void>(mine, l.combine);
+  c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
+  c.y = a.y;
+  for (const std::string& why : {can_implement(sa), can_implement(c)})
+    if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
+
+  // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
+  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+
+  // 2. This rank's schedule from every rank's topk_idx.
   build_schedule(sa, stream);
 
   // 3. The megakernel.
   const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
   check(cudaMemsetAsync(a.counters, 0, counters.words() * sizeof(uint32_t), stream), "zero the counters");
-  const int sms = host_util::device_sms(a.num_sms);
-  const int comm = a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
-  if (comm >= sms) throw std::invalid_argument("mok moe_forward: comm_ctas must leave compute CTAs (comm_ctas " +
-                                               std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
   using Mainloop = detail::ForwardMainloop;
   const int64_t ring = a.ring_rows, cap = a.row_capacity;
   detail::MegaForwardParams p{};
@@ -206,22 +223,19 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
     p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.combine);
     p.arrived[s] = signal_word(a.bases[s], l.combine_arrived(me));
   }
-  kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
-  check(cudaGetLastError(), "launch the megakernel");
+  // A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
+  // statically and spin on each other's counters, so a CTA held back by other work on the GPU
+  // (another stream's kernels) would otherwise stall the ones waiting for it until the timeout.
+  void* args[] = {&p};
+  check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(sms), dim3(GemmConfig::kThreads), args,
+                                    smem, stream),
+        "launch the megakernel (cooperative: all CTAs resident)");
 
   // 4. Every rank's pushes for this rank's tokens have landed.
   barrier(R, a.epoch, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
           [&](int s) { return signal_word(mine, l.combine_arrived(s)); }, stream);
 
   // 5. The fixed-order weighted sum.
-  CombineArgs c;
-  c.tokens = shape.tokens_per_rank;
-  c.hidden = H;
-  c.topk = shape.topk;
-  c.y_shared = a.y_shared;
-  c.slots = SymmetricLayout::at<const void>(mine, l.combine);
-  c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
-  c.y = a.y;
   combine_epilogue(c, stream);
 }
 
@@ -246,15 +260,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
-  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
   preload_kernels();  // before the barrier spins (see moe_forward)
 
-  // 1. Every rank's dy and topk_w are in its symmetric buffer.
-  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
-          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
-          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
-
-  // 2. Pull dy rows and router weights from their source ranks.
+  // Every step's arguments, checked before the first launch (see moe_forward).
   const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot};
   const void* dy_table[kMaxRanks];
   const float* w_table[kMaxRanks];
@@ -266,7 +275,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     dx_table[s] = SymmetricLayout::at<void>(a.bases[s], l.dx_slots);
     dw_table[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
   }
-  GatherArgs g;
+  GatherArgs g;  // dy rows and router weights from their source ranks
   g.shape = shape;
   g.hidden = H;
   g.schedule = view;
@@ -274,10 +283,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   g.rows = a.dy_rows;
   g.topk_w = w_table;
   g.row_weights = a.row_weight;
-  gather_rows(g, stream);
-
-  // 3. The expert backward on this rank's rows.
-  ExpertsBackwardArgs e;
+  ExpertsBackwardArgs e;  // the expert backward on this rank's rows
   e.row_capacity = cap;
   e.hidden = H;
   e.intermediate = I;
@@ -301,36 +307,42 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.d_w_down = a.d_w_down;
   e.swiglu_limit = a.swiglu_limit;
   e.status = a.experts_status;
-  experts_backward(e, stream);
-
-  // 4. Push dx rows and d topk_w into their (token, j) slots on the source ranks.
-  ScatterArgs sc;
+  ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks
   sc.shape = shape;
   sc.hidden = H;
   sc.schedule = view;
   sc.rows = a.dx_rows;
   sc.slots = dx_table;
-  scatter_rows(sc, stream);
-  ScatterValuesArgs sv;
+  ScatterValuesArgs sv;  // and d topk_w
   sv.shape = shape;
   sv.schedule = view;
   sv.values = a.d_row_weight;
   sv.slot_values = dw_table;
-  scatter_row_values(sv, stream);
-
-  // 5. Tell every source its slots from this rank are written; wait for every rank's.
-  barrier(R, a.epoch, status, detail::kWaitGrads, true,
-          [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
-          [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
-
-  // 6. dx = dx_shared + sum_j dx_slots[t, j] in j order; d topk_w is the slots themselves.
-  DispatchGradArgs dg;
+  DispatchGradArgs dg;  // dx = dx_shared + sum_j dx_slots[t, j] in j order
   dg.tokens = shape.tokens_per_rank;
   dg.hidden = H;
   dg.topk = shape.topk;
   dg.dx_shared = a.dx_shared;
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
   dg.dx = a.dx;
+  for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
+                                 can_implement(dg)})
+    if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+
+  // 1. Every rank's dy and topk_w are in its symmetric buffer.
+  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+  // 2-4. Pull, the expert backward, push.
+  gather_rows(g, stream);
+  experts_backward(e, stream);
+  scatter_rows(sc, stream);
+  scatter_row_values(sv, stream);
+  // 5. Tell every source its slots from this rank are written; wait for every rank's.
+  barrier(R, a.epoch, status, detail::kWaitGrads, true,
+          [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
+          [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
+  // 6. The dx sum; d topk_w is the slots themselves.
   dispatch_grad_epilogue(dg, stream);
   if (shape.slots() > 0)
     check(cudaMemcpyAsync(a.d_topk_w, SymmetricLayout::at<const float>(mine, l.dw_slots),

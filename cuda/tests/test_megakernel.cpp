@@ -119,8 +119,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     rk.rows = i32(El);
     rk.src_rank = i32(capacity);
     rk.src_slot = i32(capacity);
-    rk.status = i32(4);
-    cudaMemset(rk.status->ptr, 0, 16);
+    rk.status = i32(cuda::kStatusWords);
+    cudaMemset(rk.status->ptr, 0, cuda::kStatusWords * 4);
     rk.workspace = std::make_unique<DeviceBuffer<uint8_t>>(size_t(cuda::schedule_workspace_bytes(shape)));
     rk.routing_status = std::make_unique<DeviceBuffer<cuda::RoutingStatus>>(1);
     cudaMemset(rk.routing_status->ptr, 0, sizeof(cuda::RoutingStatus));

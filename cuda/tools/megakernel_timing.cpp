@@ -101,7 +101,7 @@ void run(const Shape& s) {
     rd.rows = device<int32_t>(El);
     rd.src_rank = device<int32_t>(cap);
     rd.src_slot = device<int32_t>(cap);
-    rd.status = device<int32_t>(4);
+    rd.status = device<int32_t>(mok::cuda::kStatusWords);
     rd.ws = device<uint8_t>(mok::cuda::schedule_workspace_bytes(shape));
     rd.rstatus = device<mok::cuda::RoutingStatus>(1);
     rd.counters = device<uint32_t>(mok::cuda::megakernel_counter_words(cap, c.minibatch_rows));

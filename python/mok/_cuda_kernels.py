@@ -44,13 +44,15 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_double,
         ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
-    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 17 + [
+    # handle, bases, then 9 tensors, 6 context buffers and the stream, then the error buffer.
+    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 16 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
     lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_run.restype = ctypes.c_int
+    # handle, bases, then 5 tensors, 6 context buffers and the stream, then the error buffer.
     lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 12 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
@@ -94,7 +96,8 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
     multiples of ROW_ALIGN, on the device). Writes h, y (and gu); asynchronous on the current stream."""
     El, I, H = w_gate.shape
     rows = x_rows.shape[0]
-    for name, t, shape in (("x_rows", x_rows, (rows, H)), ("w_up", w_up, (El, I, H)), ("w_down", w_down, (El, H, I)),
+    for name, t, shape in (("x_rows", x_rows, (rows, H)), ("w_gate", w_gate, (El, I, H)), ("w_up", w_up, (El, I, H)),
+                           ("w_down", w_down, (El, H, I)),
                            ("h", h, (rows, I)), ("y", y, (rows, H))) + ((("gu", gu, (rows, 2 * I)),) if gu is not None else ()):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
@@ -113,8 +116,11 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
         raise ValueError(error.value.decode())
 
 
-def _check_tensors(specs: tuple[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype], ...]) -> None:
+def _check_tensors(specs: tuple[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype], ...],
+                   device: torch.device | None = None) -> None:
     for name, t, shape, dtype in specs:
+        if device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
         if t.dtype != dtype:
@@ -151,7 +157,8 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
         ("dx", dx, (rows, H), bf16), ("d_row_weight", d_row_weight, (rows,), f32),
         ("d_w_gate", d_w_gate, (El, I, H), f32), ("d_w_up", d_w_up, (El, I, H), f32),
         ("d_w_down", d_w_down, (El, H, I), f32), ("scratch.dgu", scratch.dgu, (rows, 2 * I), bf16),
-        ("scratch.hw", scratch.hw, (rows, I), bf16)))
+        ("scratch.hw", scratch.hw, (rows, I), bf16),
+        ("scratch.dw_partial", scratch.dw_partial, (rows, int(_lib().mok_cuda_dw_partial_blocks(I))), f32)))
     if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or not offsets.is_cuda:
         raise ValueError(f"offsets must be int32 [{El + 1}] on the GPU, got {offsets.dtype} {tuple(offsets.shape)}")
     error = ctypes.create_string_buffer(512)
@@ -235,9 +242,16 @@ class FusedForward:
         self.plan = plan.value.decode()
         self.ranks, self.tokens, self.hidden, self.intermediate, self.topk = ranks, tokens, hidden, intermediate, topk
         self.local_experts = num_experts // ranks
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.keep_rows = keep_rows
         self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
         self.context_rows = int(_lib().mok_cuda_forward_context_rows(handle))
+
+    def _check_bases(self, bases: list[int], device: torch.device) -> None:
+        if len(bases) != self.ranks:
+            raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
+        if device != self.device:
+            raise ValueError(f"tensors are on {device}, but this FusedForward was made on {self.device}")
 
     def new_context(self, device: torch.device) -> Context:
         if not self.keep_rows:
@@ -249,15 +263,14 @@ class FusedForward:
         """Asynchronous on the current stream. bases: every rank's symmetric buffer address.
         context (keep_rows only): where this call keeps what its backward needs."""
         T, H, I = self.tokens, self.hidden, self.intermediate
-        El = w_gate.shape[0]
+        El = self.local_experts
         bf16 = torch.bfloat16
+        self._check_bases(bases, y.device)
         specs = [("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16),
                  ("w_down", w_down, (El, H, I), bf16), ("y", y, (T, H), bf16)]
         if y_shared is not None:
             specs.append(("y_shared", y_shared, (T, H), bf16))
-        _check_tensors(tuple(specs))
-        if len(bases) != self.ranks:
-            raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
+        _check_tensors(tuple(specs), device=y.device)
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
         ctx = context.pointers() if context is not None else [None] * 6
@@ -271,8 +284,9 @@ class FusedForward:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
         topk_w into its symmetric buffer. Weight gradients are fp32. Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
-        El = w_gate.shape[0]
+        El = self.local_experts
         bf16, f32 = torch.bfloat16, torch.float32
+        self._check_bases(bases, dx.device)
         specs = [("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16),
                  ("w_down", w_down, (El, H, I), bf16), ("dx", dx, (T, H), bf16),
                  ("d_topk_w", d_topk_w, (T, self.topk), f32),
@@ -280,7 +294,7 @@ class FusedForward:
                  ("d_w_down", d_w_down, (El, H, I), f32)]
         if dx_shared is not None:
             specs.append(("dx_shared", dx_shared, (T, H), bf16))
-        _check_tensors(tuple(specs))
+        _check_tensors(tuple(specs), device=dx.device)
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
         rc = _lib().mok_cuda_backward_run(

@@ -62,6 +62,9 @@ class _Workspace:
             self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device).zero_()
             self.handle = symm_mem.rendezvous(self.buffer, ep.pg)
             self.bases = [int(self.handle.buffer_ptrs[r]) for r in range(R)]
+            # Every rank's zeros are in place before any rank's first call writes a flag into them.
+            torch.cuda.synchronize(device)
+            torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
                                           keep_rows=True)
@@ -128,6 +131,11 @@ class _FusedMoe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
+        with torch.cuda.device(ctx.saved_tensors[0].device):
+            return _FusedMoe._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         ws: _Workspace = ctx.ws
         topk_w, w_gate, w_up, w_down = ctx.saved_tensors
         T, H = ws.x.shape
@@ -166,9 +174,10 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
-    ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit)
-    y_shared = None
-    if s_gate is not None and s_up is not None and s_down is not None:
-        y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
-    return _FusedMoe.apply(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
-                           y_shared, ws)
+    with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit)
+        y_shared = None
+        if s_gate is not None and s_up is not None and s_down is not None:
+            y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
+        return _FusedMoe.apply(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
+                               y_shared, ws)

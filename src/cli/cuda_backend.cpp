@@ -365,8 +365,8 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
     f.rows = DeviceArray<int32_t>(static_cast<size_t>(El), "rows");
     f.src_rank = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_rank");
     f.src_slot = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_slot");
-    f.status = DeviceArray<int32_t>(4, "status");
-    check(cudaMemset(f.status.get(), 0, 16), "zero the status");
+    f.status = DeviceArray<int32_t>(cuda::kStatusWords, "status");
+    check(cudaMemset(f.status.get(), 0, cuda::kStatusWords * 4), "zero the status");
     f.routing_status = DeviceArray<cuda::RoutingStatus>(1, "routing status");
     check(cudaMemset(f.routing_status.get(), 0, sizeof(cuda::RoutingStatus)), "zero the routing status");
     f.ring_x = DeviceArray<uint16_t>(static_cast<size_t>(ring * H), "ring x");
@@ -377,6 +377,8 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
     check(cudaEventCreate(&f.start), "event");
     check(cudaEventCreate(&f.stop), "event");
   }
+  // The legacy-stream copies and memsets above are done before any rank's stream starts.
+  check(cudaDeviceSynchronize(), "fused forward setup");
   auto release = [&]() {
     for (FusedRank& f : fr) {
       cudaEventDestroy(f.start);

@@ -26,6 +26,9 @@
 
 namespace mok::cuda {
 
+// Status words of a rank: code (0 = fine), rank, where, seen, and the epoch of the call that failed.
+inline constexpr int kStatusWords = 8;
+
 struct MoeForwardArgs {
   RoutingShape shape;      // R ranks, T tokens each, top-k of E experts
   int64_t rank = 0;        // this rank
@@ -60,7 +63,7 @@ struct MoeForwardArgs {
   int comm_ctas = 0;         // CTAs that pull rows (0 = the default: 1/8 of the SMs)
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
   std::optional<float> swiglu_limit;
-  int32_t* status = nullptr;  // [4] device words, zero before the first call: code, rank, where, seen
+  int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen, epoch
   double timeout_s = 10.0;    // every wait's bound
 };
 

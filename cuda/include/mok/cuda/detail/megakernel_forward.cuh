@@ -56,11 +56,13 @@ __device__ __forceinline__ void add_release_gpu(uint32_t* p, uint32_t v) {
 // Orders generic-proxy accesses with the TMA (async proxy) accesses around it.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// Status words [4] of a rank (device memory): code (0 = fine), rank, where, seen.
+// Status words of a rank (device memory, kStatusWords): code (0 = fine), rank, where, seen, and
+// the epoch of the call that failed.
 struct WaitStatus {
   int32_t* words;
   int32_t rank;
   uint64_t timeout_ns;
+  uint32_t epoch;  // this call's
 };
 
 // Codes of the waits (megakernel.h: describe_wait_status).
@@ -80,12 +82,16 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
   for (int spin = 0;; ++spin) {
     const uint32_t seen = kSystem ? ld_acquire_sys(p) : ld_acquire_gpu(p);
     if (seen >= target) return true;
-    if (*reinterpret_cast<volatile int32_t*>(s.words) != 0) return false;
+    // Another wait of this call gave up: so does this one (a failure of an earlier call does not
+    // end this call's waits early, so a failed rank still meets the others at the barriers).
+    const volatile int32_t* w = s.words;
+    if (w[0] != 0 && uint32_t(w[4]) == s.epoch) return false;
     if (global_ns() - start > s.timeout_ns) {
       if (atomicCAS(s.words, 0, code) == 0) {
         s.words[1] = s.rank;
         s.words[2] = where;
         s.words[3] = static_cast<int32_t>(seen);
+        s.words[4] = static_cast<int32_t>(s.epoch);
         __threadfence_system();
       }
       return false;
