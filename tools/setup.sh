@@ -64,3 +64,13 @@ if command -v nvcc >/dev/null && [ ! -f "$MOK_ROOT/.deps/pybind11/share/cmake/py
   src="$("$MOK_VENV/bin/python" -c 'import os, pybind11; print(os.path.dirname(pybind11.__file__))')"
   rm -rf "$MOK_ROOT/.deps/pybind11" && cp -r "$src" "$MOK_ROOT/.deps/pybind11"
 fi
+
+# pytest (pure Python) for the GPU machine's python3, which may not have it: tools/gpu.sh puts
+# .deps/pypkgs on PYTHONPATH for its pytest step when python3 cannot import pytest.
+if command -v nvcc >/dev/null && [ ! -d "$MOK_ROOT/.deps/pypkgs/pytest" ]; then
+  site="$("$MOK_VENV/bin/python" -c 'import os, pytest; print(os.path.dirname(os.path.dirname(pytest.__file__)))')"
+  mkdir -p "$MOK_ROOT/.deps/pypkgs"
+  for pkg in pytest _pytest pluggy iniconfig packaging py.py; do
+    if [ -e "$site/$pkg" ]; then cp -r "$site/$pkg" "$MOK_ROOT/.deps/pypkgs/"; fi
+  done
+fi
