@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <sstream>
 #include <stdexcept>
 
@@ -79,6 +80,13 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
 }  // namespace
 
 void preload_kernels() {
+  // Once per device: every call of moe_forward / moe_backward comes here, and after the first
+  // the loads are no-ops that still cost host time on the hot path.
+  static std::atomic<uint64_t> loaded{0};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (loaded.load(std::memory_order_acquire) & bit) != 0) return;
   preload_routing_kernels();
   preload_expert_kernels();
   cudaFuncAttributes attr;
@@ -86,6 +94,7 @@ void preload_kernels() {
   check(cudaFuncSetAttribute(detail::megakernel_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(sizeof(detail::GroupedGemmSharedStorage))),
         "load the megakernel");
+  loaded.fetch_or(bit, std::memory_order_release);
 }
 
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {

@@ -11,35 +11,9 @@
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
-
-// bf16 values uniform in [-scale, scale], from a hash of the index (tools/fill_random.cu).
-void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale);
+#include "timing_util.h"
 
 namespace {
-
-#define CHECK_CUDA(x)                                                              \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
-
-template <class F>
-float time_ms(F f, int iters) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 3; ++i) f();
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) f();
-  cudaEventRecord(b);
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  return ms / iters;
-}
 
 void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle_t blas) {
   const int64_t seg = (rows_per_expert + 127) / 128 * 128;

@@ -15,20 +15,9 @@
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
 #include "mok/cuda/megakernel.h"
-
-// bf16 values uniform in [-scale, scale], from a hash of the index (tools/fill_random.cu).
-void fill_random(uint16_t* p, size_t n, uint32_t seed, float scale);
+#include "timing_util.h"
 
 namespace {
-
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    cudaError_t e = (x);                                                                       \
-    if (e != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 template <class T>
 T* device(int64_t n) {
@@ -144,21 +133,8 @@ void run(const Shape& s) {
     }
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
-  auto timed = [&](auto&& f, int iters) {
-    for (int i = 0; i < 2; ++i) f();
-    CHECK_CUDA(cudaDeviceSynchronize());
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    cudaEventRecord(a);
-    for (int i = 0; i < iters; ++i) f();
-    cudaEventRecord(b);
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    return ms / iters;
-  };
-  const float t_fused = timed(fused, 10);
+  CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
+  const float t_fused = time_ms(fused, 10, /*warmup=*/2);
   int32_t words[4];
   CHECK_CUDA(cudaMemcpy(words, ranks[0].status, 16, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words, epoch);
@@ -195,7 +171,7 @@ void run(const Shape& s) {
   e.y = y_rows;
   e.status = st;
   e.num_sms = ctas;
-  const float t_gemms = timed([&] { mok::cuda::experts_forward(e, nullptr); }, 10);
+  const float t_gemms = time_ms([&] { mok::cuda::experts_forward(e, nullptr); }, 10, /*warmup=*/2);
   const double flops = 6.0 * double(used) * double(H) * double(I);
   std::printf(
       "H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, comm %d, minibatch %lld, ring %lld | "
