@@ -91,11 +91,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     _fresh_signals(buffer, layout, ctx)
 
     def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        return buffer[layout[name]: layout[name] + nbytes].view(dtype).view(shape)
+        return kernels.symmetric_view(buffer, layout, name, dtype, shape)
 
     x_in = view("x", torch.bfloat16, (T, H))
     idx_in = view("topk_idx", torch.int32, (T, k))
@@ -171,11 +167,7 @@ def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
     _fresh_signals(buffer, layout, ctx)
 
     def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        return buffer[layout[name]: layout[name] + nbytes].view(dtype).view(shape)
+        return kernels.symmetric_view(buffer, layout, name, dtype, shape)
 
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=I, num_experts=p.preset.E,
                                  topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True)

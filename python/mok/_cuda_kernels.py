@@ -8,6 +8,7 @@ Set ``MOK_CUDA_LIB`` to the library's path, or build it at ``build/cuda/`` of th
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -197,6 +198,14 @@ def _raise(rc: int, error: ctypes.Array) -> None:
         raise ValueError(error.value.decode())
     if rc != 0:
         raise RuntimeError(f"mok fused forward: {error.value.decode()}")
+
+
+def symmetric_view(buffer: torch.Tensor, layout: dict[str, int], name: str, dtype: torch.dtype,
+                   shape: tuple[int, ...]) -> torch.Tensor:
+    """Region ``name`` of a rank's symmetric buffer (uint8, laid out by :func:`symmetric_layout`)
+    as a ``dtype`` tensor of ``shape``."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return buffer[layout[name]: layout[name] + nbytes].view(dtype).view(shape)
 
 
 class Context:

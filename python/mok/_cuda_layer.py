@@ -74,11 +74,7 @@ class _Workspace:
         self.dy = self._view("dy", torch.bfloat16, (T, H))
 
     def _view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        return self.buffer[self.layout[name]: self.layout[name] + nbytes].view(dtype).view(shape)
+        return kernels.symmetric_view(self.buffer, self.layout, name, dtype, shape)
 
 
 _WORKSPACES: dict[_Key, _Workspace] = {}
