@@ -7,7 +7,7 @@
 # "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
-# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs).
+# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), sweep_2gpu (MOK_SWEEP_PLANS, below).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -160,6 +160,23 @@ if has bench_2gpu; then
     > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
   publish; log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"
+fi
+
+if has sweep_2gpu; then
+  # Plan sweeps of the fused layer (bench/impls/mok_kernels.py: MOK_BENCH_PLAN), one torchrun per
+  # plan: MOK_SWEEP_PLANS="comm=4;comm=8", cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS.
+  IFS=';' read -ra plans <<< "${MOK_SWEEP_PLANS:-}"
+  for plan in "${plans[@]}"; do
+    tag="$(echo "$plan" | tr ',=' '__')"
+    MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left 200)" torchrun --standalone --nproc-per-node=2 -m bench.run \
+      --cases "${MOK_SWEEP_CASES:-baselines_2gpu:tokens=8192,routing=balanced}" --impls "${MOK_SWEEP_IMPLS:-mok,mok_gemms}" \
+      --passes "${MOK_SWEEP_PASSES:-forward}" --out "$LOGS/sweep_$tag.json" --iter-budget-s 0.5 \
+      > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $plan exited non-zero"; }
+    log "sweep $plan:"
+    python3 -m bench.render "$LOGS/sweep_$tag.json" > /dev/null 2>&1
+    grep -E "^\| [a-z]" "$LOGS/sweep_$tag.md" | grep -v "^| preset" | cut -d'|' -f2,6,7,8,14 | tee -a "$LOGS/summary.txt"
+    publish
+  done
 fi
 
 log "exit $status"

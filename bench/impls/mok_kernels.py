@@ -20,6 +20,21 @@ from ._common import shared_expert
 SYMM_KEY = "mok.symmetric"
 
 
+def _plan_overrides() -> dict[str, int]:
+    """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680"`` (0 or absent: the
+    planner's choice). Recorded in each row's notes so a table says what it ran."""
+    import os
+
+    names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows"}
+    out: dict[str, int] = {}
+    for term in filter(None, (t.strip() for t in os.environ.get("MOK_BENCH_PLAN", "").split(","))):
+        key, _, value = term.partition("=")
+        if key not in names or not value.isdigit():
+            raise ValueError(f"MOK_BENCH_PLAN: {term!r} is not one of comm=N, minibatch=N, ring=N")
+        out[names[key]] = int(value)
+    return out
+
+
 def _layer_symmetric_bytes(case: Any, kernels: ModuleType) -> int:
     from ..presets import get_preset
 
@@ -99,7 +114,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     dy_in = view("dy", torch.bfloat16, (T, H))
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
-                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward)
+                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward,
+                                 **_plan_overrides())
     dev = p.x.device
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
@@ -170,7 +186,7 @@ def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
         return kernels.symmetric_view(buffer, layout, name, dtype, shape)
 
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=I, num_experts=p.preset.E,
-                                 topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True)
+                                 topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True, **_plan_overrides())
     context = fused.new_context(p.x.device)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
     y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
