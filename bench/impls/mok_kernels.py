@@ -170,7 +170,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
 def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
     """The yardstick of the fused forward's overlap (issue: within 1.15x of the expert-GEMM-only
     time of the same rows): one fused forward keeps its schedule and rows, then the timed pass is
-    the two expert kernels on exactly those rows."""
+    the two expert kernels on exactly those rows (and the shared expert, which the `mok` row runs
+    too)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU")
     if problem.case.precision != "bf16":
@@ -199,10 +200,15 @@ def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
     fused.check()
     h = torch.empty_like(context.h)
     y_rows = torch.empty_like(context.x_rows)
+    # The same work as the fused forward of this case, minus its communication: the g|u save only
+    # where the case has a backward (the `mok` row then keeps a context), and the shared expert.
+    save_gu = any(ps in ("backward", "both") for ps in p.case.passes)
+    shared = None if p.shared is None else tuple(w.detach() for w in p.shared)
 
     def forward() -> torch.Tensor:
         kernels.experts_forward(context.x_rows, context.offsets, w_gate, w_up, w_down, h=h, y=y_rows,
-                                gu=context.gu, swiglu_limit=p.swiglu_limit)
+                                gu=context.gu if save_gu else None, swiglu_limit=p.swiglu_limit)
+        shared_expert(p.x.detach(), shared, p.swiglu_limit)
         return y_rows
 
     def output(state: torch.Tensor) -> torch.Tensor:

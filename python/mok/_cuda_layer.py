@@ -108,20 +108,34 @@ def _bf16(w: Tensor) -> Tensor:
     return w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
 
 
+def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
+                 w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
+    """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel. With a
+    context it also keeps the rows, h and g|u its backward needs (the g|u save costs time); without
+    one it keeps nothing."""
+    ws.x.copy_(x)
+    ws.topk_idx.copy_(topk_idx)
+    ws.topk_w.copy_(topk_w)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y,
+                 y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
+    return y
+
+
 class _FusedMoe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                y_shared: Tensor | None, ws: _Workspace) -> Tensor:
-        ws.x.copy_(x)
-        ws.topk_idx.copy_(topk_idx)
-        ws.topk_w.copy_(topk_w)
-        context = ws.fused.new_context(x.device)
-        y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-        ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y,
-                     y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
+                y_shared: Tensor | None, ws: _Workspace, save_context: bool) -> Tensor:
+        # save_context=False: keep only the inputs; the backward runs the forward again with a
+        # context first (activation checkpointing: less memory, a faster forward, the same bits).
+        context = ws.fused.new_context(x.device) if save_context else None
+        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context = ws, context
         ctx.has_shared = y_shared is not None
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down)
+        if save_context:
+            ctx.save_for_backward(topk_w, w_gate, w_up, w_down)
+        else:
+            ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, topk_idx)
         ctx.set_materialize_grads(False)
         return y
 
@@ -133,9 +147,13 @@ class _FusedMoe(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         ws: _Workspace = ctx.ws
-        topk_w, w_gate, w_up, w_down = ctx.saved_tensors
+        topk_w, w_gate, w_up, w_down, *inputs = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
+        if inputs:  # the forward kept nothing: run it again, keeping its context this time
+            x, topk_idx = inputs
+            ctx.context = ws.fused.new_context(device)
+            _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, None, ctx.context)
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         ws.dy.copy_(dy)
@@ -150,7 +168,7 @@ class _FusedMoe(torch.autograd.Function):
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context)
         ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
-                dy if ctx.has_shared else None, None)
+                dy if ctx.has_shared else None, None, None)
 
 
 def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None) -> Tensor:
@@ -162,8 +180,9 @@ def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swig
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
-        group_name: str) -> Tensor:
-    """The checked inputs of :func:`mok.functional.moe` on the GPU."""
+        group_name: str, save_context: bool = True) -> Tensor:
+    """The checked inputs of :func:`mok.functional.moe` on the GPU. Without autograd (no_grad, or
+    no input that requires grad) the forward keeps no context at all."""
     if not kernels.available():
         raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
                                   "loadable here; use CPU tensors or build with CUDA")
@@ -175,5 +194,8 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         y_shared = None
         if s_gate is not None and s_up is not None and s_down is not None:
             y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
-        return _FusedMoe.apply(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
-                               y_shared, ws)
+        args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
+        leaves = (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
+            return _run_forward(ws, *args, y_shared, None)
+        return _FusedMoe.apply(*args, y_shared, ws, save_context)

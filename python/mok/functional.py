@@ -462,7 +462,7 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
         from . import _cuda_layer
 
         return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
-                               group_name)
+                               group_name, save_context)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)
     y, *_ = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
                                   list(schedule), swiglu_limit, group_name, save_context)

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(p: testing.MoeProblem, dy: torch.Tensor) -> list[torch.Tensor]:
+def _run(p: testing.MoeProblem, dy: torch.Tensor, save_context: bool = True) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
     shared = [t.detach().clone().requires_grad_(True) for t in p.shared] if p.shared is not None else None
-    y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], shared, swiglu_limit=p.swiglu_limit)
+    y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], shared, swiglu_limit=p.swiglu_limit,
+                save_context=save_context)
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves] + ([t.grad for t in shared] if shared else [])
 
@@ -45,6 +46,26 @@ def test_matches_the_reference_and_is_bitwise_stable(shared_intermediate: int, l
     again = _run(p, dy)
     for name, a, b in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], first, again):
         assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+def test_recomputed_context_and_inference_give_the_same_bits() -> None:
+    """save_context=False (the backward runs the forward again) and a no_grad forward (no context,
+    no g|u save) give bitwise the training forward's y and gradients."""
+    p = testing.random_problem(200, 16, 512, 256, 4, shared_intermediate=128, swiglu_limit=0.75, routing="zipf",
+                               seed=11, device="cuda")
+    dy = torch.randn(200, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(torch.bfloat16)
+    kept = _run(p, dy, save_context=True)
+    recomputed = _run(p, dy, save_context=False)
+    with torch.no_grad():
+        inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared,
+                            swiglu_limit=p.swiglu_limit)
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+    names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
+    for name, a, b in zip(names, kept, recomputed):
+        assert a is not None and b is not None and torch.equal(a, b), f"{name}: save_context=False differs"
+    assert torch.equal(kept[0], inference), "the no_grad forward differs from the training forward"
 
 
 def test_an_expert_id_out_of_range_is_named() -> None:
