@@ -46,6 +46,11 @@ class _Workspace:
     def __init__(self, key: _Key, ep: _dist.EpGroup) -> None:
         T, H, k, R = key.tokens, key.hidden, key.topk, ep.size
         device = torch.device("cuda", key.device)
+        # Every rank's buffers are laid out from these: a rank with other values would read the
+        # wrong places. Checked once per workspace (a host sync), not per call.
+        _dist.agree(ep, "cuda_workspace", lambda: {
+            "tokens per rank": T, "hidden": H, "intermediate": key.intermediate, "experts": key.num_experts,
+            "topk": k, "swiglu_limit": key.swiglu_limit})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -189,6 +194,12 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    if x.shape[0] == 0:
+        # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
+        # every gradient is zero, through a graph that touches every input.
+        leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
+        zero = torch.stack([t.sum().float() for t in leaves]).sum() * 0
+        return torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device) + zero.to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit)
         y_shared = None

@@ -30,7 +30,7 @@ __all__ = ["EpGroup", "group_name_of", "resolve", "agree", "report_failure", "di
 # step tag turns that into an error instead of a silent mix-up.
 _RECORD = 16
 _STATUS_OK, _STATUS_VALUE_ERROR, _STATUS_TYPE_ERROR = 0, 1, 2
-_STEPS = ("get_workspace", "build_schedule", "forward", "backward", "recompute_forward_context")
+_STEPS = ("get_workspace", "build_schedule", "forward", "backward", "recompute_forward_context", "cuda_workspace")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Two levels:
 
 - :func:`moe` — one call, differentiable (gradients for x, topk_w and every weight), works under
-  ``torch.compile(fullgraph=True)``. This is what :class:`mok.MoE` uses.
+  ``torch.compile(fullgraph=True)`` on the CPU path; on CUDA tensors it is one graph break (the
+  fused GPU layer runs as is). This is what :class:`mok.MoE` uses.
 - The explicit passes, for frameworks that run their own backward or checkpoint activations::
 
       ws = mok.get_workspace(None, group, device=x.device, num_local_tokens=T, hidden=H,
@@ -449,20 +450,47 @@ def _is_fake(t: Tensor) -> bool:
 def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
          shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
          save_context: bool) -> Tensor:
-    def check() -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape]:
-        s_gate, s_up, s_down = _unpack_shared(shared)
-        shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
-                                    topk_idx=topk_idx)
-        return s_gate, s_up, s_down, shape
+    args = (x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks, save_context)
+    if isinstance(x, Tensor) and x.is_cuda:
+        return _moe_cuda(*args)
+    return _moe_ops(*args)
 
-    s_gate, s_up, s_down, shape = _checked(group_name, "build_schedule", check)
+
+@torch.compiler.disable
+def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+              shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+              save_context: bool) -> Tensor:
+    """The GPU layer: the fused forward (megakernel) and its backward through the C API. Opaque to
+    torch.compile (a graph break: the compiled code around it calls it as is), since the C API
+    calls are not traceable; FakeTensors (shape propagation) take the ops path for their shapes."""
+    if _is_fake(x):
+        return _moe_ops(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
+                        save_context)
+    s_gate, s_up, s_down, _ = _checked(group_name, "build_schedule", lambda: _check_moe(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit))
+    from . import _cuda_layer
+
+    return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
+                           None if swiglu_limit is None else float(swiglu_limit), group_name, save_context)
+
+
+def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+               shared: Sequence[Tensor] | None,
+               swiglu_limit: float | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape]:
+    s_gate, s_up, s_down = _unpack_shared(shared)
+    shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
+                                topk_idx=topk_idx)
+    return s_gate, s_up, s_down, shape
+
+
+def _moe_ops(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+             shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+             save_context: bool) -> Tensor:
+    """The layer through the torch.ops.mok stages (CPU tensors, and shapes for FakeTensors)."""
+    s_gate, s_up, s_down, shape = _checked(group_name, "build_schedule", lambda: _check_moe(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit))
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
-    if x.is_cuda and not _is_fake(x):  # the fused forward (megakernel) and its backward, through the C API
-        from . import _cuda_layer
-
-        return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
-                               group_name, save_context)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)
     y, *_ = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
                                   list(schedule), swiglu_limit, group_name, save_context)

@@ -82,3 +82,25 @@ def test_an_expert_id_out_of_range_is_named() -> None:
     with pytest.raises(RuntimeError, match="an earlier call failed"):
         mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
     _cuda_layer.clear()
+
+
+def test_torch_compile_calls_the_gpu_layer() -> None:
+    """Under torch.compile the GPU layer is a graph break: compiled code around it gives bitwise the
+    eager y and gradients (it would raise NotImplementedError if it traced into the ops path)."""
+    p = testing.random_problem(128, 8, 256, 128, 2, shared_intermediate=64, seed=21, device="cuda")
+    dy = torch.randn(128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(torch.bfloat16)
+
+    def layer(x: torch.Tensor, w: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        return mok.moe(x * 1.0, p.topk_idx, w, wg, wu, wd, p.shared) * 1.0
+
+    results = []
+    for fn in (layer, torch.compile(layer)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+        y = fn(*leaves)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+    for name, a, b in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], *results):
+        assert b is not None and torch.equal(a, b), f"{name}: compiled differs from eager"

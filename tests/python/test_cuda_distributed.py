@@ -1,0 +1,145 @@
+"""mok.moe over an expert-parallel group of 2 GPUs (NCCL + torch symmetric memory): the fused
+forward and its backward on every rank against the C++ reference over the same emulated ranks,
+bitwise the same on a rerun, and bitwise the same as the whole batch on one GPU (results do not
+depend on the number of ranks). Skipped without two sm_90 GPUs and the sm_90a library
+(tools/gpu.sh runs it on the 2-GPU machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+mok = pytest.importorskip("mok")
+from mok import _cuda_kernels  # noqa: E402
+
+import test_distributed as td  # noqa: E402  (the CPU suite's problems and C++ reference)
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+         and all(torch.cuda.get_device_capability(d) == (9, 0) for d in range(2)) and _cuda_kernels.available()),
+    reason="needs two sm_90 GPUs and libmok_cuda_capi.so",
+)
+
+CASES = [
+    td.Case("uniform_shared", 300, 8, 512, 256, 4, shared=128),
+    td.Case("all_to_one_clamped_recomputed", 257, 4, 512, 256, 2, limit=0.75, routing="all_to_one",
+            save_context=False),
+    td.Case("one_token", 1, 4, 256, 128, 2),
+    td.Case("no_tokens", 0, 4, 256, 128, 2, shared=64),
+]
+NAMES = ("y", "dx", "d_topk_w", "d_gate", "d_up", "d_down")
+SHARED = ("d_shared_gate", "d_shared_up", "d_shared_down")
+
+
+def run_layer(case: td.Case, p: td.GlobalProblem, group: dist.ProcessGroup | None, rank: int,
+              size: int) -> dict[str, torch.Tensor]:
+    """This rank's y and gradients through mok.moe on its GPU (rank/size within `group`)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    El = p.weights[0].shape[0] // size
+    mine = slice(rank * El, (rank + 1) * El)
+    x = p.x[rank].to(dev).requires_grad_()
+    w = p.topk_w[rank].to(dev).requires_grad_()
+    weights = [t[mine].to(dev, torch.bfloat16).contiguous().requires_grad_() for t in p.weights]
+    shared = [t.to(dev, torch.bfloat16).requires_grad_() for t in p.shared] if p.shared else None
+    y = mok.moe(x, p.topk_idx[rank].to(dev), w, *weights, tuple(shared) if shared else None,
+                swiglu_limit=case.limit, group=group, save_context=case.save_context)
+    y.backward(p.dy[rank].to(dev))
+    from mok import _cuda_layer
+
+    _cuda_layer.check()  # a timed-out wait or a bad expert id is an error here, not garbage
+    out = {"y": y, "dx": x.grad, "d_topk_w": w.grad, "d_gate": weights[0].grad, "d_up": weights[1].grad,
+           "d_down": weights[2].grad}
+    if shared:
+        out.update(zip(SHARED, (t.grad for t in shared)))
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def relative_error(actual: torch.Tensor, expected: np.ndarray) -> float:
+    a = actual.detach().float().cpu().reshape(-1)
+    e = torch.from_numpy(np.ascontiguousarray(expected)).float().reshape(-1)
+    assert a.shape == e.shape, f"{tuple(a.shape)} vs {tuple(e.shape)}"
+    assert bool(torch.isfinite(a).all()), "not finite"
+    scale = float(e.norm())
+    return float((a - e).norm()) / scale if scale > 0 else float(a.norm())
+
+
+def merged(p: td.GlobalProblem) -> td.GlobalProblem:
+    """The same global batch as one rank's: every rank's tokens in rank order."""
+    cat = lambda ts: [torch.cat(ts)]  # noqa: E731
+    return td.GlobalProblem(cat(p.x), cat(p.topk_idx), cat(p.topk_w), cat(p.dy), p.weights, p.shared)
+
+
+def check_case(case: td.Case, rank: int, size: int) -> None:
+    p = td.make_problem(case, size, seed=13)
+    ours = run_layer(case, p, dist.group.WORLD, rank, size)
+    where = f"case {case.name}, rank {rank} of {size}"
+    ref = td.reference(case, p, size)
+    El = p.weights[0].shape[0] // size
+    for name in NAMES + (SHARED if case.shared else ()):
+        expected = ref[name][rank] if name in ("y", "dx", "d_topk_w") or name in SHARED else \
+            ref[name].reshape(p.weights[("d_gate", "d_up", "d_down").index(name)].shape)[rank * El:(rank + 1) * El]
+        err = relative_error(ours[name], expected)
+        assert err < 2e-2, f"{where}: {name} relative error {err:.3g} against the C++ reference"
+    again = run_layer(case, p, dist.group.WORLD, rank, size)
+    for name, a in ours.items():
+        assert torch.equal(a, again[name]), f"{where}: {name} differs between two runs"
+    # The whole batch on this GPU alone, all experts local: the same bits for this rank's tokens and
+    # experts (the shared expert's gradient there sums every rank's tokens, so it is not compared).
+    one = run_layer(case, merged(p), None, 0, 1)
+    T = case.tokens
+    for name in ("y", "dx", "d_topk_w"):
+        assert torch.equal(ours[name], one[name][rank * T:(rank + 1) * T]), f"{where}: {name} differs from R=1"
+    for name in ("d_gate", "d_up", "d_down"):
+        assert torch.equal(ours[name], one[name][rank * El:(rank + 1) * El]), f"{where}: {name} differs from R=1"
+
+
+def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
+    fault_log = open(Path(result_dir, f"rank{rank}.err"), "w")  # noqa: SIM115  (open until the process ends)
+    faulthandler.enable(fault_log)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
+    try:
+        for case in CASES:
+            check_case(case, rank, size)
+        dist.barrier()
+    except BaseException:
+        fault_log.write(traceback.format_exc())
+        fault_log.flush()
+        raise
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_on_two_gpus() -> None:
+    size, timeout_s = 2, 240
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(worker, args=(size, init_file, tmp), nprocs=size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the ranks did not finish within {timeout_s} s (a hang?)")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            errors = "\n".join(f"--- {f}:\n{Path(tmp, f).read_text()}" for f in sorted(os.listdir(tmp))
+                               if f.endswith(".err"))
+            raise AssertionError(f"a rank failed ({e}):\n{errors}") from None
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.terminate()
