@@ -116,6 +116,10 @@ struct MegaForwardParams {
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
+  // Saving g|u: h_ready waits for h's two bulk-store groups only (the four g|u groups after them
+  // may still be in flight), instead of for all six. Off by default until measured on a GPU
+  // (MOK_EXPERIMENT_H_READY=early, megakernel.cu).
+  bool h_ready_early;
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -396,7 +400,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
         if (consumer_thread == 0) {
           // h of this tile is in global memory (not only read out of shared memory) before the count.
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          // Bulk groups complete in order: h's two are the oldest of the tile's (then g|u's four).
+          if (p.h_ready_early && p.gu_store.save_gu) {
+            asm volatile("cp.async.bulk.wait_group 4;" ::: "memory");
+          } else {
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          }
           fence_proxy_async();
           __threadfence();
           add_release_gpu(&p.h_ready[task.row_block], 1);
