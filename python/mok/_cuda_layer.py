@@ -40,6 +40,7 @@ class _Key:
     topk: int
     swiglu_limit: float | None
     device: int
+    plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows)
 
 
 class _Workspace:
@@ -72,7 +73,7 @@ class _Workspace:
             torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
-                                          keep_rows=True)
+                                          keep_rows=True, **dict(key.plan))
         self.x = self._view("x", torch.bfloat16, (T, H))
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
@@ -85,10 +86,12 @@ class _Workspace:
 _WORKSPACES: dict[_Key, _Workspace] = {}
 
 
-def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None) -> _Workspace:
+def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
+              plan: dict[str, int] | None = None) -> _Workspace:
     ep = _dist.resolve(group_name)
     El, I, H = w_gate.shape
-    key = _Key(group_name, x.shape[0], H, I, El * ep.size, topk, swiglu_limit, x.device.index or 0)
+    key = _Key(group_name, x.shape[0], H, I, El * ep.size, topk, swiglu_limit, x.device.index or 0,
+               tuple(sorted((plan or {}).items())))
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = _Workspace(key, ep)
@@ -185,9 +188,10 @@ def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swig
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
-        group_name: str, save_context: bool = True) -> Tensor:
+        group_name: str, save_context: bool = True, plan: dict[str, int] | None = None) -> Tensor:
     """The checked inputs of :func:`mok.functional.moe` on the GPU. Without autograd (no_grad, or
-    no input that requires grad) the forward keeps no context at all."""
+    no input that requires grad) the forward keeps no context at all. ``plan``: the planner's
+    overrides resolved from a MoeConfig (comm_sms, minibatch_rows, ring_rows)."""
     if not kernels.available():
         raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
                                   "loadable here; use CPU tensors or build with CUDA")
@@ -201,7 +205,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         zero = torch.stack([t.sum().float() for t in leaves]).sum() * 0
         return torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device) + zero.to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
-        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit)
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan)
         y_shared = None
         if s_gate is not None and s_up is not None and s_down is not None:
             y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)

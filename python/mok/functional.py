@@ -425,18 +425,21 @@ def backward(workspace: Workspace, schedule: Schedule, context: ForwardContext, 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         shared: SharedWeights | None = None, *, swiglu_limit: float | None = None,
-        group: dist.ProcessGroup | None = None, save_context: bool = True) -> Tensor:
+        group: dist.ProcessGroup | None = None, save_context: bool = True,
+        config: MoeConfig | None = None) -> Tensor:
     """The MoE layer after the router, differentiable: ``y [T,H]`` bf16.
 
     ``y[t] = shared(x[t]) + sum_j topk_w[t,j] * expert_{topk_idx[t,j]}(x[t])`` with SwiGLU experts
     (clamped at ``swiglu_limit``, gpt-oss style, when given). Gradients flow to x, topk_w and every
     weight. ``group``: the expert-parallel process group (any group, subgroups included; None: all
     experts local). ``save_context=False`` keeps only the inputs and recomputes the forward's
-    intermediates in the backward (bitwise the same gradients, less memory).
+    intermediates in the backward (bitwise the same gradients, less memory). ``config`` overrides
+    the planner's comm SMs, minibatch and ring for the GPU megakernel (checked on every device;
+    results do not depend on it).
     """
     ranks = 1 if group is None else dist.get_world_size(group)
     return _moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, _dist.group_name_of(group), ranks,
-                save_context)
+                save_context, config)
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -449,8 +452,8 @@ def _is_fake(t: Tensor) -> bool:
 
 def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
          shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
-         save_context: bool) -> Tensor:
-    args = (x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks, save_context)
+         save_context: bool, config: MoeConfig | None = None) -> Tensor:
+    args = (x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks, save_context, config)
     if isinstance(x, Tensor) and x.is_cuda:
         return _moe_cuda(*args)
     return _moe_ops(*args)
@@ -459,36 +462,68 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
 @torch.compiler.disable
 def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
               shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
-              save_context: bool) -> Tensor:
+              save_context: bool, config: MoeConfig | None) -> Tensor:
     """The GPU layer: the fused forward (megakernel) and its backward through the C API. Opaque to
     torch.compile (a graph break: the compiled code around it calls it as is), since the C API
     calls are not traceable; FakeTensors (shape propagation) take the ops path for their shapes."""
     if _is_fake(x):
         return _moe_ops(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
-                        save_context)
-    s_gate, s_up, s_down, _ = _checked(group_name, "build_schedule", lambda: _check_moe(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit))
+                        save_context, config)
+    s_gate, s_up, s_down, _, plan = _checked(group_name, "build_schedule", lambda: _check_moe(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks))
     from . import _cuda_layer
 
     return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
-                           None if swiglu_limit is None else float(swiglu_limit), group_name, save_context)
+                           None if swiglu_limit is None else float(swiglu_limit), group_name, save_context, plan)
 
 
 def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-               shared: Sequence[Tensor] | None,
-               swiglu_limit: float | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape]:
+               shared: Sequence[Tensor] | None, swiglu_limit: float | None, config: MoeConfig | None,
+               ranks: int) -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape,
+                                    dict[str, int] | None]:
     s_gate, s_up, s_down = _unpack_shared(shared)
     shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
                                 topk_idx=topk_idx)
-    return s_gate, s_up, s_down, shape
+    # Traced code skips the planner (a C++ call; the stages' results do not depend on it).
+    plan = None if torch.compiler.is_compiling() else _plan_overrides(config, shape, ranks, swiglu_limit, x.device)
+    return s_gate, s_up, s_down, shape, plan
+
+
+def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: int, swiglu_limit: float | None,
+                    device: torch.device) -> dict[str, int] | None:
+    """The planner's comm SMs, minibatch and ring for this layer under ``config`` (None: no config,
+    the planner's defaults). Bad values raise ValueError naming them, on every device."""
+    if config is None:
+        return None
+    if not isinstance(config, MoeConfig):
+        raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+    for f in fields(MoeConfig):
+        _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
+    if shape.tokens == 0:
+        return None  # nothing runs
+    desc = _C.MoeDesc(tokens_per_rank=shape.tokens, hidden=shape.hidden, intermediate=shape.intermediate,
+                      num_experts=shape.local_experts * ranks, topk=shape.topk, ranks=ranks,
+                      shared_intermediate=shape.shared_intermediate, swiglu_limit=swiglu_limit)
+    facts = _device_facts(device)
+    comm_sms = config.comm_sms
+    if comm_sms is None and device.type == "cpu":
+        comm_sms = 1  # as create_workspace: the CPU backend has no SMs to split
+    try:
+        plan = _C.plan(desc, facts, comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
+                       ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
+    except ValueError as error:
+        raise ValueError(f"mok.moe: config {config}: {error}") from None
+    return {"comm_sms": int(plan["comm_sms"]), "minibatch_rows": int(plan["minibatch_rows"]),
+            "ring_rows": int(plan["ring_rows"])}
 
 
 def _moe_ops(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
              shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
-             save_context: bool) -> Tensor:
-    """The layer through the torch.ops.mok stages (CPU tensors, and shapes for FakeTensors)."""
-    s_gate, s_up, s_down, shape = _checked(group_name, "build_schedule", lambda: _check_moe(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit))
+             save_context: bool, config: MoeConfig | None = None) -> Tensor:
+    """The layer through the torch.ops.mok stages (CPU tensors, and shapes for FakeTensors). The
+    stages' results do not depend on config; it is checked all the same."""
+    s_gate, s_up, s_down, shape, _ = _checked(group_name, "build_schedule", lambda: _check_moe(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks))
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks, _dist
-from .functional import _checked, _moe
+from .functional import MoeConfig, _checked, _moe
 
 __all__ = ["MoE", "TopKRouter"]
 
@@ -139,13 +139,14 @@ class MoE(nn.Module):
     ``router``: None, ``"softmax"``, ``"sigmoid"``, or a :class:`TopKRouter` for the DeepSeek-style
     options (linear bias, score-correction bias, group-limited routing, scaling).
     ``save_context=False`` recomputes the forward's intermediates in the backward (activation
-    checkpointing; the same gradients, bitwise).
+    checkpointing; the same gradients, bitwise). ``config`` (a :class:`mok.MoeConfig`) overrides the
+    planner's comm SMs, minibatch and ring of the GPU megakernel; results do not depend on it.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, topk: int, *, shared_intermediate: int = 0,
                  swiglu_limit: float | None = None, group: dist.ProcessGroup | None = None,
                  router: str | TopKRouter | None = None, save_context: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, config: MoeConfig | None = None) -> None:
         super().__init__()
         self.num_experts = _positive_int(num_experts, "num_experts")
         self.hidden = _positive_int(hidden, "hidden")
@@ -157,6 +158,9 @@ class MoE(nn.Module):
         _checks.check_swiglu_limit(swiglu_limit)
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.save_context = bool(save_context)
+        if config is not None and not isinstance(config, MoeConfig):
+            raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+        self.config = config
         # The group is kept by name (what the ops take); rank and size are fixed at construction.
         self.group_name = _dist.group_name_of(group)
         self.ep_size = 1 if group is None else dist.get_world_size(group)
@@ -219,7 +223,7 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             shared = (self.shared_gate, self.shared_up, self.shared_down)
         y = _moe(rows.to(torch.bfloat16), topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared,
-                 self.swiglu_limit, self.group_name, self.ep_size, self.save_context)
+                 self.swiglu_limit, self.group_name, self.ep_size, self.save_context, self.config)
         return y.to(x.dtype).reshape(x.shape)
 
     def _check_inputs(self, x: object, topk_idx: object, topk_w: object) -> None:

@@ -104,3 +104,24 @@ def test_torch_compile_calls_the_gpu_layer() -> None:
     _cuda_layer.check()
     for name, a, b in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], *results):
         assert b is not None and torch.equal(a, b), f"{name}: compiled differs from eager"
+
+
+def test_plan_overrides_change_no_bit() -> None:
+    """A MoeConfig reaches the megakernel (its own workspace: other comm CTAs, minibatch and ring)
+    and changes neither y nor any gradient."""
+    p = testing.random_problem(300, 16, 512, 256, 4, routing="zipf", seed=17, device="cuda")
+    dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(torch.bfloat16)
+    results = []
+    for config in (None, mok.MoeConfig(comm_sms=3, minibatch_rows=128, ring_rows=256)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+        y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], config=config)
+        y.backward(dy)
+        with torch.no_grad():
+            y_inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=config)
+        results.append([y.detach(), y_inference] + [t.grad for t in leaves])
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+    assert len(_cuda_layer._WORKSPACES) >= 2  # the config made its own workspace
+    for name, a, b in zip(["y", "y (no_grad)", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], *results):
+        assert b is not None and torch.equal(a, b), f"{name}: differs under the config"

@@ -155,3 +155,26 @@ def test_cuda_stub_checks_then_says_not_built() -> None:
     for name, (op, _, check) in mok.ops.OPS.items():
         assert callable(check)
         assert op._backend_fns.get("cuda") is not None, f"{name} has no CUDA implementation registered"
+
+
+def test_moe_config_is_checked_and_changes_no_bit() -> None:
+    """mok.moe(config=...) / mok.MoE(config=...): the planner's overrides are checked on every device
+    (the CPU stages do not use them) and change no result."""
+    a = problem()
+    args = (a["x"], a["topk_idx"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], a["shared"])
+    plain = mok.moe(*args)
+    tuned = mok.moe(*args, config=mok.MoeConfig(minibatch_rows=128, ring_rows=256))
+    assert torch.equal(plain, tuned)
+    with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple of the row tile 128, got 100"):
+        mok.moe(*args, config=mok.MoeConfig(minibatch_rows=100))
+    with pytest.raises(ValueError, match="ring_rows must be a positive multiple of minibatch_rows=128, got 200"):
+        mok.moe(*args, config=mok.MoeConfig(minibatch_rows=128, ring_rows=200))
+    with pytest.raises(TypeError, match="MoeConfig.comm_sms must be an int or None, got float"):
+        mok.moe(*args, config=mok.MoeConfig(comm_sms=1.5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a mok.MoeConfig or None, got dict"):
+        mok.moe(*args, config={"comm_sms": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a mok.MoeConfig or None, got int"):
+        mok.MoE(E, H, I, K, config=3)  # type: ignore[arg-type]
+    m = mok.MoE(E, H, I, K, config=mok.MoeConfig(minibatch_rows=100))
+    with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple"):
+        m(torch.randn(T, H), a["topk_idx"], a["topk_w"])
