@@ -5,7 +5,7 @@
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_TIMING_ARGS, MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g.
 # "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
-# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_layer.py), timing, mk_timing
+# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), sweep_2gpu (MOK_SWEEP_PLANS, below).
 set -uo pipefail

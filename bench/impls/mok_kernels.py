@@ -22,7 +22,8 @@ SYMM_KEY = "mok.symmetric"
 
 def _plan_overrides() -> dict[str, int]:
     """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680"`` (0 or absent: the
-    planner's choice). Recorded in each row's notes so a table says what it ran."""
+    planner's choice). tools/gpu.sh's sweep names each result file after its plan. With a backward the
+    context replaces the ring, so ``ring`` then changes nothing."""
     import os
 
     names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows"}

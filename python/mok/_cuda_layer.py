@@ -11,8 +11,15 @@ is allocated per call from torch's allocator and saved by autograd, so layers sh
 do not collide. The shared expert runs in torch; its output enters the combine.
 
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
-handle and raised by :func:`check` (it synchronizes). *Planned:* the fused backward with replay;
-``save_context=False`` currently keeps the context too.
+handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing;
+``save_context=False`` keeps only the inputs and runs the forward again at the start of the
+backward. *Planned:* the fused backward with replay.
+
+What the ranks agree on: a workspace's shapes and plan, once, when it is made (a host sync). A
+later call is not compared across ranks (that would cost a host sync per call): a rank whose
+shapes changed alone makes a new workspace and waits in its agreement, while the others reach
+their start barrier and time out naming it. With no tokens (T = 0, which must then hold on every
+rank) nothing is called at all.
 """
 
 from __future__ import annotations
@@ -49,9 +56,11 @@ class _Workspace:
         device = torch.device("cuda", key.device)
         # Every rank's buffers are laid out from these: a rank with other values would read the
         # wrong places. Checked once per workspace (a host sync), not per call.
+        plan = dict(key.plan)
         _dist.agree(ep, "cuda_workspace", lambda: {
             "tokens per rank": T, "hidden": H, "intermediate": key.intermediate, "experts": key.num_experts,
-            "topk": k, "swiglu_limit": key.swiglu_limit})
+            "topk": k, "swiglu_limit": key.swiglu_limit, "MoeConfig comm_sms": plan.get("comm_sms"),
+            "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows")})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -97,6 +106,20 @@ def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limi
         ws = _Workspace(key, ep)
         _WORKSPACES[key] = ws
     return ws
+
+
+def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object) -> bool:
+    """Whether a call of these shapes on this group has made its workspace here already (so the
+    peers are past that workspace's agreement), as far as the inputs tell: True when they do not
+    (an input without a shape)."""
+    try:
+        El, I, H = w_gate.shape  # type: ignore[attr-defined]
+        shapes = (group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size,  # type: ignore[attr-defined]
+                  topk_w.shape[1], x.device.index or 0)  # type: ignore[attr-defined]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return True
+    return any((k.group_name, k.tokens, k.hidden, k.intermediate, k.num_experts, k.topk, k.device) == shapes
+               for k in _WORKSPACES)
 
 
 def clear() -> None:
@@ -201,9 +224,11 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
+        y = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
         leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
-        zero = torch.stack([t.sum().float() for t in leaves]).sum() * 0
-        return torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device) + zero.to(torch.bfloat16)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves)):
+            return y
+        return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan)
         y_shared = None

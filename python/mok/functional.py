@@ -469,9 +469,19 @@ def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up:
     if _is_fake(x):
         return _moe_ops(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
                         save_context, config)
-    s_gate, s_up, s_down, _, plan = _checked(group_name, "build_schedule", lambda: _check_moe(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks))
     from . import _cuda_layer
+
+    def check() -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape, dict[str, int] | None]:
+        return _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks)
+
+    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w) or x.shape[0] == 0:
+        # The peers are past this workspace's agreement and go straight into the fused call: this
+        # rank raises alone, and they raise at its start barrier, naming this rank. A report to
+        # them would wait in a collective they never enter. (With no tokens nobody makes a
+        # workspace, so nobody listens either.)
+        s_gate, s_up, s_down, _, plan = check()
+    else:  # the first call of these shapes: the peers are in its agreement and raise too
+        s_gate, s_up, s_down, _, plan = _checked(group_name, "cuda_workspace", check)
 
     return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
                            None if swiglu_limit is None else float(swiglu_limit), group_name, save_context, plan)
@@ -484,8 +494,14 @@ def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up
     s_gate, s_up, s_down = _unpack_shared(shared)
     shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
                                 topk_idx=topk_idx)
-    # Traced code skips the planner (a C++ call; the stages' results do not depend on it).
-    plan = None if torch.compiler.is_compiling() else _plan_overrides(config, shape, ranks, swiglu_limit, x.device)
+    # Traced code checks only the type (the planner is a C++ call; the stages' results do not
+    # depend on it).
+    if torch.compiler.is_compiling():
+        if config is not None and not isinstance(config, MoeConfig):
+            raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+        plan = None
+    else:
+        plan = _plan_overrides(config, shape, ranks, swiglu_limit, x.device)
     return s_gate, s_up, s_down, shape, plan
 
 
@@ -499,12 +515,19 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
         raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
     for f in fields(MoeConfig):
         _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
-    if shape.tokens == 0:
-        return None  # nothing runs
-    desc = _C.MoeDesc(tokens_per_rank=shape.tokens, hidden=shape.hidden, intermediate=shape.intermediate,
+    if all(getattr(config, f.name) is None for f in fields(MoeConfig)):
+        return None  # the planner's defaults: the same workspace as no config
+    # T = 0 runs nothing, but its config is checked as for one token.
+    desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,
                       num_experts=shape.local_experts * ranks, topk=shape.topk, ranks=ranks,
                       shared_intermediate=shape.shared_intermediate, swiglu_limit=swiglu_limit)
     facts = _device_facts(device)
+    if device.type == "cuda":  # the SMs this GPU has (the known facts are nominal, e.g. an SXM H100's)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if sms != facts.sm_count:
+            facts = _C.DeviceFacts(name=facts.name, sm_count=sms, memory_bytes=facts.memory_bytes,
+                                   bf16_tflops=facts.bf16_tflops, hbm_gbps=facts.hbm_gbps,
+                                   nvlink_gbps=facts.nvlink_gbps)
     comm_sms = config.comm_sms
     if comm_sms is None and device.type == "cpu":
         comm_sms = 1  # as create_workspace: the CPU backend has no SMs to split
@@ -513,6 +536,8 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
                        ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
     except ValueError as error:
         raise ValueError(f"mok.moe: config {config}: {error}") from None
+    if shape.tokens == 0:
+        return None
     return {"comm_sms": int(plan["comm_sms"]), "minibatch_rows": int(plan["minibatch_rows"]),
             "ring_rows": int(plan["ring_rows"])}
 

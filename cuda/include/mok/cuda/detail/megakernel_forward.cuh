@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
         if (consumer_thread == 0) {
           // h of this tile is in global memory (not only read out of shared memory) before the count.
-          // Bulk groups complete in order: h's two are the oldest of the tile's (then g|u's four).
+          // wait_group 4: every group but the 4 most recent (g|u's) is complete, so h's two are.
           if (p.h_ready_early && p.gu_store.save_gu) {
             asm volatile("cp.async.bulk.wait_group 4;" ::: "memory");
           } else {
