@@ -132,7 +132,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         x_in.copy_(p.x.detach())
         idx_in.copy_(p.topk_idx)
         w_in.copy_(p.topk_w.detach())
-        with torch.enable_grad():  # the shared expert's graph, for the backward
+        with torch.set_grad_enabled(with_backward):  # the shared expert's graph, for a backward
             y_shared = shared_expert(p.x, p.shared, p.swiglu_limit)
         fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if y_shared is None else y_shared.detach(),
                   context=context)
