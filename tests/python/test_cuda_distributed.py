@@ -8,19 +8,11 @@ depend on the number of ranks). Skipped without two sm_90 GPUs and the sm_90a li
 from __future__ import annotations
 
 import datetime
-import faulthandler
-import gc
-import os
-import tempfile
-import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 mok = pytest.importorskip("mok")
 from mok import _cuda_kernels  # noqa: E402
@@ -109,39 +101,14 @@ def check_case(case: td.Case, rank: int, size: int) -> None:
 
 
 def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
-    fault_log = open(Path(result_dir, f"rank{rank}.err"), "w")  # noqa: SIM115  (open until the process ends)
-    faulthandler.enable(fault_log)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
-    try:
+    with td.rank_report(rank, result_dir):
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
         for case in CASES:
             check_case(case, rank, size)
         dist.barrier()
-    except BaseException:
-        fault_log.write(traceback.format_exc())
-        fault_log.flush()
-        raise
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def test_expert_parallel_on_two_gpus() -> None:
-    size, timeout_s = 2, 240
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(worker, args=(size, init_file, tmp), nprocs=size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"the ranks did not finish within {timeout_s} s (a hang?)")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            errors = "\n".join(f"--- {f}:\n{Path(tmp, f).read_text()}" for f in sorted(os.listdir(tmp))
-                               if f.endswith(".err"))
-            raise AssertionError(f"a rank failed ({e}):\n{errors}") from None
-        finally:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.terminate()
+    td.spawn_ranks(worker, 2, timeout_s=240)

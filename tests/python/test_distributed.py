@@ -8,6 +8,7 @@ the group stays usable. Subgroups, the module, the explicit passes and torch.com
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -18,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -263,41 +264,31 @@ def check_compile(rank: int, size: int) -> None:
     assert torch.equal(compiled(p.x[rank], p.topk_w[rank]), layer(p.x[rank], p.topk_w[rank]))
 
 
-def worker(rank: int, size: int, init_file: str, result_dir: str, with_compile: bool) -> None:
-    # A rank that dies in native code still says where (its Python stack goes to rank<r>.err).
+@contextlib.contextmanager
+def rank_report(rank: int, result_dir: str) -> Iterator[None]:
+    """The body of a spawned rank: a rank that dies in native code still says where (its Python stack
+    goes to rank<r>.err, and so does the traceback of an exception), and its process group is
+    destroyed at the end (nothing may hold it past its destruction: an abort at exit otherwise)."""
     fault_log = open(Path(result_dir, f"rank{rank}.err"), "w")  # noqa: SIM115  (open until the process ends)
     faulthandler.enable(fault_log)
-    torch.set_num_threads(1)
-    _C.set_cpu_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
     try:
-        world = dist.group.WORLD
-        for case in CASES:
-            p = make_problem(case, size)
-            ours = run_layer(case, p, world, rank, size)
-            check_against_references(case, p, ours, rank, size, "world")
-        check_bad_input_raises_everywhere(rank, size)
-        check_explicit_passes_and_module(rank, size)
-        if size == 4:
-            check_subgroups(rank, size)
-        if with_compile:
-            check_compile(rank, size)
-            torch._dynamo.reset()  # compiled code holds the process group: let it go before destroying it
-        dist.barrier()
+        yield
     except BaseException:
         fault_log.write(traceback.format_exc())
         fault_log.flush()
         raise
     finally:
-        gc.collect()  # nothing may hold a gloo group past its destruction (an abort at exit otherwise)
-        dist.destroy_process_group()
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_ranks(size: int, with_compile: bool = False, timeout_s: float = 240) -> None:
+def spawn_ranks(worker: Callable[..., None], size: int, *args: Any, timeout_s: float = 240) -> None:
+    """Runs ``worker(rank, size, init_file, result_dir, *args)`` in `size` spawned processes and
+    fails naming the ranks' errors (from :func:`rank_report`) if one fails or they hang."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(worker, args=(size, init_file, tmp, with_compile), nprocs=size, join=False,
+        ctx = mp.start_processes(worker, args=(size, init_file, tmp, *args), nprocs=size, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -312,6 +303,31 @@ def run_ranks(size: int, with_compile: bool = False, timeout_s: float = 240) -> 
             for process in ctx.processes:
                 if process.is_alive():
                     process.terminate()
+
+
+def worker(rank: int, size: int, init_file: str, result_dir: str, with_compile: bool) -> None:
+    with rank_report(rank, result_dir):
+        torch.set_num_threads(1)
+        _C.set_cpu_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=60))
+        world = dist.group.WORLD
+        for case in CASES:
+            p = make_problem(case, size)
+            ours = run_layer(case, p, world, rank, size)
+            check_against_references(case, p, ours, rank, size, "world")
+        check_bad_input_raises_everywhere(rank, size)
+        check_explicit_passes_and_module(rank, size)
+        if size == 4:
+            check_subgroups(rank, size)
+        if with_compile:
+            check_compile(rank, size)
+            torch._dynamo.reset()  # compiled code holds the process group: let it go before destroying it
+        dist.barrier()
+
+
+def run_ranks(size: int, with_compile: bool = False, timeout_s: float = 240) -> None:
+    spawn_ranks(worker, size, with_compile, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
