@@ -49,6 +49,16 @@ class _Key:
     device: int
     plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows)
 
+    def shapes(self) -> tuple[object, ...]:
+        return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device)
+
+
+def _key(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
+         plan: dict[str, int] | None) -> _Key:
+    El, I, H = w_gate.shape
+    return _Key(group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size, topk, swiglu_limit,
+                x.device.index or 0, tuple(sorted((plan or {}).items())))
+
 
 class _Workspace:
     def __init__(self, key: _Key, ep: _dist.EpGroup) -> None:
@@ -97,13 +107,10 @@ _WORKSPACES: dict[_Key, _Workspace] = {}
 
 def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
               plan: dict[str, int] | None = None) -> _Workspace:
-    ep = _dist.resolve(group_name)
-    El, I, H = w_gate.shape
-    key = _Key(group_name, x.shape[0], H, I, El * ep.size, topk, swiglu_limit, x.device.index or 0,
-               tuple(sorted((plan or {}).items())))
+    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _Workspace(key, ep)
+        ws = _Workspace(key, _dist.resolve(group_name))
         _WORKSPACES[key] = ws
     return ws
 
@@ -113,13 +120,10 @@ def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object) ->
     peers are past that workspace's agreement), as far as the inputs tell: True when they do not
     (an input without a shape)."""
     try:
-        El, I, H = w_gate.shape  # type: ignore[attr-defined]
-        shapes = (group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size,  # type: ignore[attr-defined]
-                  topk_w.shape[1], x.device.index or 0)  # type: ignore[attr-defined]
+        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None).shapes()  # type: ignore[arg-type,attr-defined]
     except (AttributeError, IndexError, TypeError, ValueError):
         return True
-    return any((k.group_name, k.tokens, k.hidden, k.intermediate, k.num_experts, k.topk, k.device) == shapes
-               for k in _WORKSPACES)
+    return any(k.shapes() == shapes for k in _WORKSPACES)
 
 
 def clear() -> None:

@@ -196,9 +196,33 @@ def _device_facts(device: torch.device) -> Any:
         props = torch.cuda.get_device_properties(device)
         for known in ("h200", "h100"):
             if known in props.name.lower():
-                return _C.DeviceFacts.find(known)
+                facts = _C.DeviceFacts.find(known)
+                if facts.sm_count == props.multi_processor_count:
+                    return facts
+                # The known rates, with the SMs this GPU has (the known facts are an SXM part's).
+                return _C.DeviceFacts(name=facts.name, sm_count=props.multi_processor_count,
+                                      memory_bytes=facts.memory_bytes, bf16_tflops=facts.bf16_tflops,
+                                      hbm_gbps=facts.hbm_gbps, nvlink_gbps=facts.nvlink_gbps)
         return _C.DeviceFacts(name=props.name, sm_count=props.multi_processor_count, memory_bytes=props.total_memory)
     raise ValueError(f"mok: device {device} is not supported (cpu or cuda)")
+
+
+def _check_config(config: object) -> None:
+    if not isinstance(config, MoeConfig):
+        raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+    for f in fields(MoeConfig):
+        _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
+
+
+def _plan(desc: Any, device: torch.device, config: MoeConfig) -> dict[str, Any]:
+    """The planner's choices for ``desc`` on ``device`` under ``config``'s overrides."""
+    comm_sms = config.comm_sms
+    if comm_sms is None and device.type == "cpu":
+        # The CPU backend has no SMs to split; 1 keeps the planner's arithmetic valid (its cpu
+        # device default would take both nominal SMs).
+        comm_sms = 1
+    return _C.plan(desc, _device_facts(device), comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
+                   ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
 
 
 def _int_or_none(value: object, name: str) -> None:
@@ -218,13 +242,10 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     descs: list[Any] = []
 
     def check() -> _dist.Values:
-        if not isinstance(config, MoeConfig):
-            raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
+        _check_config(config)
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        for f in fields(MoeConfig):
-            _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
         _checks.check_swiglu_limit(swiglu_limit)
         desc = _C.MoeDesc(tokens_per_rank=num_local_tokens, hidden=hidden, intermediate=intermediate,
                           num_experts=num_experts, topk=topk, ranks=ep.size, shared_intermediate=shared_intermediate,
@@ -240,14 +261,7 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     assert isinstance(config, MoeConfig)
     desc = descs[0]
 
-    facts = _device_facts(device)
-    comm_sms = config.comm_sms
-    if comm_sms is None and device.type == "cpu":
-        # The CPU backend has no SMs to split; 1 keeps the planner's arithmetic valid (its cpu
-        # device default would take both nominal SMs).
-        comm_sms = 1
-    plan = _C.plan(desc, facts, comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
-                   ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
+    plan = _plan(desc, device, config)
     buffers: dict[str, Tensor] = {}
     handle = None
     if device.type == "cuda":
@@ -511,29 +525,15 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
     the planner's defaults). Bad values raise ValueError naming them, on every device."""
     if config is None:
         return None
-    if not isinstance(config, MoeConfig):
-        raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
-    for f in fields(MoeConfig):
-        _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
+    _check_config(config)
     if all(getattr(config, f.name) is None for f in fields(MoeConfig)):
         return None  # the planner's defaults: the same workspace as no config
     # T = 0 runs nothing, but its config is checked as for one token.
     desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,
                       num_experts=shape.local_experts * ranks, topk=shape.topk, ranks=ranks,
                       shared_intermediate=shape.shared_intermediate, swiglu_limit=swiglu_limit)
-    facts = _device_facts(device)
-    if device.type == "cuda":  # the SMs this GPU has (the known facts are nominal, e.g. an SXM H100's)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if sms != facts.sm_count:
-            facts = _C.DeviceFacts(name=facts.name, sm_count=sms, memory_bytes=facts.memory_bytes,
-                                   bf16_tflops=facts.bf16_tflops, hbm_gbps=facts.hbm_gbps,
-                                   nvlink_gbps=facts.nvlink_gbps)
-    comm_sms = config.comm_sms
-    if comm_sms is None and device.type == "cpu":
-        comm_sms = 1  # as create_workspace: the CPU backend has no SMs to split
     try:
-        plan = _C.plan(desc, facts, comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
-                       ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
+        plan = _plan(desc, device, config)
     except ValueError as error:
         raise ValueError(f"mok.moe: config {config}: {error}") from None
     if shape.tokens == 0:
