@@ -17,11 +17,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(p: testing.MoeProblem, dy: torch.Tensor, save_context: bool = True) -> list[torch.Tensor]:
+def _run(p: testing.MoeProblem, dy: torch.Tensor, save_context: bool = True,
+         config: mok.MoeConfig | None = None) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
     shared = [t.detach().clone().requires_grad_(True) for t in p.shared] if p.shared is not None else None
     y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], shared, swiglu_limit=p.swiglu_limit,
-                save_context=save_context)
+                save_context=save_context, config=config)
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves] + ([t.grad for t in shared] if shared else [])
 
@@ -113,12 +114,10 @@ def test_plan_overrides_change_no_bit() -> None:
     dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(torch.bfloat16)
     results = []
     for config in (None, mok.MoeConfig(comm_sms=3, minibatch_rows=128, ring_rows=256)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
-        y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], config=config)
-        y.backward(dy)
+        y, *grads = _run(p, dy, config=config)
         with torch.no_grad():
             y_inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=config)
-        results.append([y.detach(), y_inference] + [t.grad for t in leaves])
+        results.append([y, y_inference, *grads])
     from mok import _cuda_layer
 
     _cuda_layer.check()
