@@ -5,9 +5,9 @@
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_TIMING_ARGS, MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g.
 # "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
-# Steps: build, sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
+# Steps: build (MOK_BUILD_TARGETS: only those), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
-# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), sweep_2gpu (MOK_SWEEP_PLANS, below).
+# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -47,7 +47,7 @@ if has build; then
   [ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DGTEST_ROOT="$ROOT/.deps/gtest")
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON \
        -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" "${gtest_args[@]}" > "$LOGS/build.log" 2>&1 &&
-     cmake --build "$BUILD" -j "$(nproc)" >> "$LOGS/build.log" 2>&1; then
+     cmake --build "$BUILD" -j "$(nproc)" ${MOK_BUILD_TARGETS:+--target $MOK_BUILD_TARGETS} >> "$LOGS/build.log" 2>&1; then
     log "build ok"
   else
     log "build FAILED"; tail -40 "$LOGS/build.log"; exit 1
@@ -116,6 +116,20 @@ fi
 if has mk_timing; then
   timeout --kill-after=10 "$(left 180)" "$BUILD/cuda/megakernel_timing" ${MOK_MK_TIMING_ARGS:-} > "$LOGS/megakernel_timing.log" 2>&1 || status=1
   log "megakernel timing:"; cat "$LOGS/megakernel_timing.log" | tee -a "$LOGS/summary.txt"
+fi
+
+if has ncu; then
+  # Where the cycles of one expert kernel go: stall reasons and per-SASS-line stall samples of its
+  # first launch (MOK_NCU_KERNEL: a regex of the kernel name; MOK_TIMING_ARGS: the shape).
+  timeout --kill-after=10 "$(left 240)" ncu --kernel-name-base demangled -k "regex:${MOK_NCU_KERNEL:-SwiGluEpilogue}" -c 1 \
+    --section SpeedOfLight --section WarpStateStats --section SourceCounters --section SchedulerStats \
+    -o "$LOGS/ncu" "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-2880 2880 16 4096} > "$LOGS/ncu_run.log" 2>&1 || status=1
+  ncu -i "$LOGS/ncu.ncu-rep" --page details > "$LOGS/ncu_details.txt" 2>&1
+  ncu -i "$LOGS/ncu.ncu-rep" --page raw --csv > "$LOGS/ncu_raw.csv" 2>&1
+  ncu -i "$LOGS/ncu.ncu-rep" --page source --csv --print-source sass > "$LOGS/ncu_source.csv" 2>&1
+  python3 tools/ncu_hot.py "$LOGS/ncu_source.csv" > "$LOGS/ncu_hot.txt" 2>&1
+  log "ncu:"; grep -E "Duration|Throughput|Cycles Per Issued|Stall" "$LOGS/ncu_details.txt" | head -20 | tee -a "$LOGS/summary.txt"
+  head -60 "$LOGS/ncu_hot.txt" | tee -a "$LOGS/summary.txt"
 fi
 
 if has sanitize; then
