@@ -21,16 +21,6 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
-// A development switch for an A/B on the GPU (detail::MegaForwardParams::h_ready_early): set
-// MOK_EXPERIMENT_H_READY=early. Outputs are the same either way; only when a down tile may start.
-bool experiment_h_ready_early() {
-  static const bool early = [] {
-    const char* e = std::getenv("MOK_EXPERIMENT_H_READY");
-    return e != nullptr && std::string(e) == "early";
-  }();
-  return early;
-}
-
 struct CounterLayout {
   int64_t minibatches, row_blocks;
   int64_t x_ready() const { return 0; }
@@ -237,7 +227,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
-  p.h_ready_early = experiment_h_ready_early();
   p.epoch = a.epoch;
   p.status = status;
   for (int s = 0; s < R; ++s) {

@@ -140,33 +140,35 @@ struct SwiGluEpilogue {
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
     static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
+    // g|u first (chunks 0-3), then h (the last two): the h chunks' math needs the most registers,
+    // and by then the accumulator values behind each finished chunk are dead.
+    if (p.save_gu) {
+      static_for<2>([&](auto plane_) {
+        constexpr int plane = decltype(plane_)::value;
+        const float hi = p.has_limit ? p.limit : INFINITY;
+        const float lo = plane == 0 || !p.has_limit ? -INFINITY : -p.limit;
+        static_for<2>([&](auto c_) {
+          constexpr int c = decltype(c_)::value;
+          store_chunk<32 * c + 64 * plane>(
+              staging, 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.save_m_block,
+              2 * t.n_block + c, 0, thread, [&](auto i_) {
+                constexpr int i = decltype(i_)::value;
+                // Without a limit the band is all floats: save_for_clamp is then plain rounding
+                // (NaN included), and one code path per value keeps the kernel small.
+                __nv_bfloat162 v;
+                v.x = save_for_clamp(acc(i), lo, hi);
+                v.y = save_for_clamp(acc(i + 1), lo, hi);
+                return v;
+              });
+        });
+      });
+    }
     static_for<2>([&](auto c_) {
       constexpr int c = decltype(c_)::value;
       store_chunk<32 * c>(staging, c, p.h, coords, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread, [&](auto i_) {
         constexpr int i = decltype(i_)::value;
         return __floats2bfloat162_rn(swiglu(acc(i), acc(i + 64), p.has_limit, p.limit),
                                      swiglu(acc(i + 1), acc(i + 65), p.has_limit, p.limit));
-      });
-    });
-    if (!p.save_gu) return;
-    static_for<2>([&](auto plane_) {
-      constexpr int plane = decltype(plane_)::value;
-      static_for<2>([&](auto c_) {
-        constexpr int c = decltype(c_)::value;
-        store_chunk<32 * c + 64 * plane>(
-            staging, 2 + 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.save_m_block,
-            2 * t.n_block + c, 0, thread, [&](auto i_) {
-              constexpr int i = decltype(i_)::value;
-              __nv_bfloat162 v;
-              if (p.has_limit) {
-                const float lo = plane == 0 ? -INFINITY : -p.limit;
-                v.x = save_for_clamp(acc(i), lo, p.limit);
-                v.y = save_for_clamp(acc(i + 1), lo, p.limit);
-              } else {
-                v = __floats2bfloat162_rn(acc(i), acc(i + 1));
-              }
-              return v;
-            });
       });
     });
   }
@@ -291,11 +293,33 @@ struct SwiGluBackwardEpilogue {
     *reinterpret_cast<uint4*>(p.hw + row * I + col) = hw8;
   }
 
+  // One round's read-back: the thread's 16 columns of both staging tiles (32 fp32 columns each),
+  // starting at column col0 of the first; returns the running d topk_w partial. Out of line, and
+  // with its loops not unrolled: inlined into each of the four rounds, the per-vector math made
+  // the kernel's code larger than the instruction cache.
+  static __device__ __noinline__ float read_back_round(const Params& p, const bfloat16_t* staging, int64_t row,
+                                                       int64_t col0, int seg_row, int seg_col, float w,
+                                                       float partial) {
+#pragma unroll 1
+    for (int b = 0; b < 2; ++b) {
+      Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kStagingElems)),
+                              SmemLayoutEpilogueF32{});
+#pragma unroll 1
+      for (int v = 0; v < 2; ++v) {
+        const int64_t col = col0 + 32 * b + 8 * v;
+        float dh[8];
+        CUTE_UNROLL
+        for (int k = 0; k < 8; ++k) dh[k] = sC(seg_row, seg_col + 8 * v + k);
+        if (col < p.intermediate) vector8(p, row, col, w, dh, partial);  // I % 8 == 0
+      }
+    }
+    return partial;
+  }
+
   template <class Acc, class Coords>
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
     static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
-    const int64_t I = p.intermediate;
     const int seg_row = thread / 2;          // this thread's row of the tile
     const int seg_col = (thread % 2) * 16;   // and its 16 columns of each 32-column chunk
     const int64_t row = int64_t(t.m_block) * 128 + seg_row;
@@ -317,19 +341,8 @@ struct SwiGluBackwardEpilogue {
         });
       });
       consumers_sync();
-      CUTE_UNROLL
-      for (int b = 0; b < 2; ++b) {
-        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + b * kStagingElems)),
-                                SmemLayoutEpilogueF32{});
-        const int64_t col0 = int64_t(t.n_block) * 256 + 32 * (2 * round + b) + seg_col;
-        CUTE_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          float dh[8];
-          CUTE_UNROLL
-          for (int k = 0; k < 8; ++k) dh[k] = sC(seg_row, seg_col + 8 * v + k);
-          if (col0 + 8 * v < I) vector8(p, row, col0 + 8 * v, w, dh, partial);  // I % 8 == 0
-        }
-      }
+      partial = read_back_round(p, staging, row, int64_t(t.n_block) * 256 + 64 * round + seg_col, seg_row, seg_col, w,
+                                partial);
     });
     // The row's two threads (adjacent lanes) hold its two column halves: add them in a fixed order.
     const float other = __shfl_xor_sync(0xffffffffu, partial, 1);

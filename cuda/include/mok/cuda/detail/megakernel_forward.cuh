@@ -116,10 +116,6 @@ struct MegaForwardParams {
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
-  // Saving g|u: h_ready waits for h's two bulk-store groups only (the four g|u groups after them
-  // may still be in flight), instead of for all six. Off by default until measured on a GPU
-  // (MOK_EXPERIMENT_H_READY=early, megakernel.cu).
-  bool h_ready_early;
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -399,13 +395,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (!task.second) {
         SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
         if (consumer_thread == 0) {
-          // h of this tile is in global memory (not only read out of shared memory) before the count.
-          // wait_group 4: every group but the 4 most recent (g|u's) is complete, so h's two are.
-          if (p.h_ready_early && p.gu_store.save_gu) {
-            asm volatile("cp.async.bulk.wait_group 4;" ::: "memory");
-          } else {
-            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-          }
+          // h of this tile is in global memory (not only read out of shared memory) before the
+          // count. h's chunks are the epilogue's last, so this waits for every group (measured on
+          // 2 H200s: waiting only for h's, when they came first, changed nothing).
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
           fence_proxy_async();
           __threadfence();
           add_release_gpu(&p.h_ready[task.row_block], 1);
