@@ -51,7 +51,7 @@ __device__ __forceinline__ float bf16_at_most(float v) {
 // epilogues save every value of a tile, and an inlined copy of this per value made the kernel's
 // code larger than the instruction cache (measured: a quarter of the stall samples waited for
 // instructions).
-__device__ __noinline__ float save_across_clamp(float v, float lo, float hi) {
+inline __device__ __noinline__ float save_across_clamp(float v, float lo, float hi) {
   const float saved = bf16_value(v);
   if (v >= lo && v <= hi) return saved > hi ? bf16_at_most(hi) : -bf16_at_most(-lo);
   return v > hi ? bf16_next_above(hi) : -bf16_next_above(-lo);
