@@ -145,21 +145,28 @@ struct SwiGluEpilogue {
     if (p.save_gu) {
       static_for<2>([&](auto plane_) {
         constexpr int plane = decltype(plane_)::value;
-        const float hi = p.has_limit ? p.limit : INFINITY;
-        const float lo = plane == 0 || !p.has_limit ? -INFINITY : -p.limit;
+        const float lo = plane == 0 ? -INFINITY : -p.limit;
         static_for<2>([&](auto c_) {
           constexpr int c = decltype(c_)::value;
-          store_chunk<32 * c + 64 * plane>(
-              staging, 2 * plane + c, plane == 0 ? p.g : p.u, coords, 64 * c + 128 * plane, t.save_m_block,
-              2 * t.n_block + c, 0, thread, [&](auto i_) {
-                constexpr int i = decltype(i_)::value;
-                // Without a limit the band is all floats: save_for_clamp is then plain rounding
-                // (NaN included), and one code path per value keeps the kernel small.
-                __nv_bfloat162 v;
-                v.x = save_for_clamp(acc(i), lo, hi);
-                v.y = save_for_clamp(acc(i + 1), lo, hi);
-                return v;
-              });
+          auto store = [&](auto value) {
+            store_chunk<32 * c + 64 * plane>(staging, 2 * plane + c, plane == 0 ? p.g : p.u, coords,
+                                             64 * c + 128 * plane, t.save_m_block, 2 * t.n_block + c, 0, thread, value);
+          };
+          // One uniform branch per chunk, not per value: without a limit a chunk is 16 conversions.
+          if (p.has_limit) {
+            store([&](auto i_) {
+              constexpr int i = decltype(i_)::value;
+              __nv_bfloat162 v;
+              v.x = save_for_clamp(acc(i), lo, p.limit);
+              v.y = save_for_clamp(acc(i + 1), lo, p.limit);
+              return v;
+            });
+          } else {
+            store([&](auto i_) {
+              constexpr int i = decltype(i_)::value;
+              return __floats2bfloat162_rn(acc(i), acc(i + 1));
+            });
+          }
         });
       });
     }
