@@ -301,30 +301,18 @@ struct SwiGluBackwardEpilogue {
   }
 
   // One round's read-back: the thread's 16 columns of both staging tiles (32 fp32 columns each),
-  // starting at column col0 of the first; returns the running d topk_w partial. Out of line, and
-  // with its loops not unrolled: inlined into each of the four rounds, the per-vector math made
-  // the kernel's code larger than the instruction cache.
-#ifdef MOK_READBACK_UNROLL
-  static __device__ __forceinline__ float read_back_round(
-#else
-  static __device__ __noinline__ float read_back_round(
-#endif
-const Params& p, const bfloat16_t* staging, int64_t row,
-                                                       int64_t col0, int seg_row, int seg_col, float w,
-                                                       float partial) {
-#ifdef MOK_READBACK_UNROLL
-#pragma unroll
-#else
-#pragma unroll 1
-#endif
+  // starting at column col0 of the first; returns the running d topk_w partial. Unrolled, so the
+  // four vectors' loads of g, u and h are in flight together: an out-of-line copy with its loops
+  // rolled made the kernel 4x smaller but the backward 1-6% slower (tools/ab_timing.sh on an
+  // H200, session 4); this kernel's code size did not cost instruction fetches.
+  static __device__ __forceinline__ float read_back_round(const Params& p, const bfloat16_t* staging, int64_t row,
+                                                         int64_t col0, int seg_row, int seg_col, float w,
+                                                         float partial) {
+    CUTE_UNROLL
     for (int b = 0; b < 2; ++b) {
       Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kStagingElems)),
                               SmemLayoutEpilogueF32{});
-#ifdef MOK_READBACK_UNROLL
-#pragma unroll
-#else
-#pragma unroll 1
-#endif
+      CUTE_UNROLL
       for (int v = 0; v < 2; ++v) {
         const int64_t col = col0 + 32 * b + 8 * v;
         float dh[8];
