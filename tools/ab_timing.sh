@@ -2,7 +2,7 @@
 # A/B of a compile-time switch on the expert kernels, on one GPU in one call: builds
 # expert_kernels_timing without (A) and with (B) the CUDA define MOK_AB_DEFINE, then runs A, B, A, B
 # on the shapes of MOK_TIMING_ARGS ("H I experts rows_per_expert ..."). Logs under $OUT.
-#   MOK_AB_DEFINE=MOK_READBACK_UNROLL MOK_TIMING_ARGS="7168 2048 192 341" bash tools/ab_timing.sh
+#   MOK_AB_DEFINE=MOK_SOME_SWITCH MOK_TIMING_ARGS="7168 2048 192 341" bash tools/ab_timing.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/mok-ab-out}"; mkdir -p "$OUT"

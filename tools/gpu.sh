@@ -178,7 +178,7 @@ fi
 
 if has sweep_2gpu; then
   # Plan sweeps of the fused layer (bench/impls/mok_kernels.py: MOK_BENCH_PLAN), one torchrun per
-  # entry: MOK_SWEEP_PLANS="comm=8;default;default MOK_EXPERIMENT_H_READY=early" (a plan or
+  # entry: MOK_SWEEP_PLANS="comm=8;default;default NCCL_DEBUG=INFO" (a plan or
   # "default", then optional VAR=value settings for that run), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS.
   IFS=';' read -ra entries <<< "${MOK_SWEEP_PLANS:-}"
   for entry in "${entries[@]}"; do
