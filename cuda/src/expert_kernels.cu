@@ -15,7 +15,8 @@ namespace {
 
 using detail::GemmConfig;
 // sm_90's largest opt-in shared memory per block: 227 KiB.
-static_assert(sizeof(detail::GroupedGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
+static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::bfloat16_t>) <= 232448, "shared storage exceeds 227 KiB");
+static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::float_e4m3_t>) <= 232448, "shared storage exceeds 227 KiB");
 
 using host_util::bf;
 using host_util::check;
@@ -26,7 +27,7 @@ using host_util::store_target;
 template <class Mainloop, class Epilogue>
 void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num_sms, cudaStream_t stream) {
   auto kernel = detail::grouped_gemm_kernel<Mainloop, Epilogue>;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
+  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<typename Mainloop::Element>));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
   kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(params);
   check(cudaGetLastError(), "launch grouped GEMM");
@@ -124,7 +125,7 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
   const Epilogue::Params e{store_target(a.h, R, I, I), store_target(gu, R, I, 2 * I),
                            store_target(a.gu != nullptr ? static_cast<void*>(bf(a.gu) + I) : a.h, R, I, 2 * I),
                            a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
-  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(I, GemmConfig::kHalfN), ceil_div(H, GemmConfig::kBlockK),
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(I, GemmConfig::kHalfN), ceil_div(H, Mainloop::kBlockK),
                                          a.expert_offsets, a.status),
          a.num_sms, stream);
 }
@@ -139,7 +140,7 @@ void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
                            Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(R), int(I), int(H), int(El),
                            /*b1_row_shift=*/1};
   const Epilogue::Params e{store_target(a.y, R, H, H)};
-  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(H, GemmConfig::kBlockN), ceil_div(I, GemmConfig::kBlockK),
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(H, GemmConfig::kBlockN), ceil_div(I, Mainloop::kBlockK),
                                          a.expert_offsets, a.status),
          a.num_sms, stream);
 }
@@ -166,7 +167,7 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
         static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
         static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
         a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
-    launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, GemmConfig::kBlockK),
+    launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
                                                                a.expert_offsets, a.status),
            a.num_sms, stream);
     reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
@@ -178,10 +179,10 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
     const KMajor::Params m2{KMajor::make_a(bf(a.dgu), int(R), int(I), 2, 2 * I, I),
                             KMajor::make_b(bf(a.w_gate), int(H), int(I), int(El), H, I * H),
                             KMajor::make_b(bf(a.w_up), int(H), int(I), int(El), H, I * H),
-                            int(R), int(I), 2, int(H), int(I), int(El), ceil_div(I, GemmConfig::kBlockK), 1};
+                            int(R), int(I), 2, int(H), int(I), int(El), ceil_div(I, KMajor::kBlockK), 1};
     const detail::StoreEpilogue::Params e2{store_target(a.dx, R, H, H)};
     launch(rows_params<KMajor, detail::StoreEpilogue>(m2, e2, El, R, ceil_div(H, GemmConfig::kBlockN),
-                                                      2 * ceil_div(I, GemmConfig::kBlockK), a.expert_offsets, a.status),
+                                                      2 * ceil_div(I, KMajor::kBlockK), a.expert_offsets, a.status),
            a.num_sms, stream);
   }
 

@@ -94,7 +94,7 @@ void preload_kernels() {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
   check(cudaFuncSetAttribute(detail::megakernel_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(sizeof(detail::GroupedGemmSharedStorage))),
+                             static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>))),
         "load the megakernel");
   loaded.fetch_or(bit, std::memory_order_release);
 }
@@ -141,7 +141,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
   auto kernel = detail::megakernel_forward_kernel;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage));
+  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>));
 
   // Everything is checked before the first launch: a throw after the start barrier would leave
   // the other ranks waiting for this one's pushes.
@@ -210,8 +210,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.mb_rows = int(a.minibatch_rows);
   p.n_first = ceil_div(I, GemmConfig::kHalfN);
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
-  p.k_first = ceil_div(H, GemmConfig::kBlockK);
-  p.k_second = ceil_div(I, GemmConfig::kBlockK);
+  p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
+  p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   p.comm_ctas = comm;
   p.ranks = R;
   p.rank = me;

@@ -25,9 +25,11 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
+// The stages hold the operands' element type; their bytes are the same at every precision.
+template <class Element>
 struct GroupedGemmSharedStorage {
-  alignas(1024) bfloat16_t a[GemmConfig::kStageElemsA * GemmConfig::kStages];
-  alignas(1024) bfloat16_t b[GemmConfig::kStageElemsB * GemmConfig::kStages];
+  alignas(1024) Element a[OperandConfig<Element>::kStageElemsA * GemmConfig::kStages];
+  alignas(1024) Element b[OperandConfig<Element>::kStageElemsB * GemmConfig::kStages];
   alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];  // the epilogue's 128 x 64 output tiles
   GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
@@ -56,7 +58,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   using Pipeline = GemmConfig::Pipeline;
   constexpr int kStages = GemmConfig::kStages;
   extern __shared__ __align__(1024) char smem_raw[];
-  GroupedGemmSharedStorage& smem = *reinterpret_cast<GroupedGemmSharedStorage*>(smem_raw);
+  using SharedStorage = GroupedGemmSharedStorage<typename Mainloop::Element>;
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (threadIdx.x == 0) Mainloop::prefetch(p.mainloop);
   }
   typename Pipeline::Params pp;
-  pp.transaction_bytes = GemmConfig::kStageBytes;
+  pp.transaction_bytes = Mainloop::Operand::kStageBytes;
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
   const GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts> rows_sched{smem.tiles, p.experts,
                                                                                      p.n_blocks, p.k_blocks};
-  const ExpertTileScheduler<GemmConfig::kBlockM, GemmConfig::kBlockK, GemmConfig::kMaxExperts> weight_sched{
+  const ExpertTileScheduler<GemmConfig::kBlockM, Mainloop::kBlockK, GemmConfig::kMaxExperts> weight_sched{
       smem.tiles, p.experts, p.m_blocks, p.n_blocks};
   const bool by_rows = p.order == TileOrder::grouped_rows;
   // A malformed schedule computes nothing (the status word says why).
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     // ---- consumers ----
     cutlass::arch::warpgroup_reg_alloc<232>();
     const int consumer_thread = threadIdx.x - 128;
-    ExpertTiledMma<Mainloop::kMajorA, Mainloop::kMajorB> mma;
+    ExpertTiledMma<typename Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
     auto thr = mma.get_thread_slice(consumer_thread);
     Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Mainloop::SmemLayoutA{});  // (BM, BK, STAGES)
     Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Mainloop::SmemLayoutB{});  // (BN, BK, STAGES)

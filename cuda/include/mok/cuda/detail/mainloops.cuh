@@ -8,6 +8,9 @@
 //   MN-major tensor (N contiguous), chosen per k-block: the reduction may run over two planes
 //   (dgrad of gate|up: [dg|du] against [W_gate; W_up]), k-blocks [0, kb_per_plane) from plane 0,
 //   then plane 1.
+// Both are templates on the operands' element type (the precision); the kernels use bf16. fp8
+// (e4m3) fits ForwardMainloopOf (both operands K-major), not BackwardMainloopOf (its B is MN-major,
+// which fp8 wgmma cannot read).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,46 +22,53 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
-// ForwardMainloop's TMA descriptors: A [rows, K] as (rows, K, 1); B [El, N, K] as (N, K, El),
+// ForwardMainloopOf's TMA descriptors: A [rows, K] as (rows, K, 1); B [El, N, K] as (N, K, El),
 // loaded as (128, BLOCK_K) halves.
-using ForwardSmemLayoutA = OperandSmemLayout<GMMA::Major::K, GemmConfig::kBlockM>;
-using ForwardSmemLayoutBHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{},
-                                                        Shape<Int<GemmConfig::kHalfN>, Int<GemmConfig::kBlockK>,
+template <class Element>
+using ForwardSmemLayoutA = OperandSmemLayout<Element, GMMA::Major::K, GemmConfig::kBlockM>;
+template <class Element>
+using ForwardSmemLayoutBHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                        Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>,
                                                               Int<2 * GemmConfig::kStages>>{}));
-inline auto forward_tma_a(const bfloat16_t* ptr, int rows, int k) {
+template <class Element>
+auto forward_tma_a(const Element* ptr, int rows, int k) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
-  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA{}(_, _, 0),
-                       Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockK>>{});
+  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA<Element>{}(_, _, 0),
+                       Shape<Int<GemmConfig::kBlockM>, Int<OperandConfig<Element>::kBlockK>>{});
 }
-inline auto forward_tma_b(const bfloat16_t* ptr, int n, int k, int experts) {
+template <class Element>
+auto forward_tma_b(const Element* ptr, int n, int k, int experts) {
   Tensor t = make_tensor(make_gmem_ptr(ptr),
                          make_layout(make_shape(n, k, experts), make_stride(int64_t(k), _1{}, int64_t(n) * k)));
-  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutBHalves{}(_, _, 0),
-                       Shape<Int<GemmConfig::kHalfN>, Int<GemmConfig::kBlockK>>{});
+  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutBHalves<Element>{}(_, _, 0),
+                       Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>>{});
 }
 
-struct ForwardMainloop {
+template <class Element_>
+struct ForwardMainloopOf {
+  using Element = Element_;
+  using Operand = OperandConfig<Element>;
+  static constexpr int kBlockK = Operand::kBlockK;
   static constexpr GMMA::Major kMajorA = GMMA::Major::K;
   static constexpr GMMA::Major kMajorB = GMMA::Major::K;
-  using SmemLayoutA = ForwardSmemLayoutA;
-  using SmemLayoutB = OperandSmemLayout<GMMA::Major::K, GemmConfig::kBlockN>;
+  using SmemLayoutA = ForwardSmemLayoutA<Element>;
+  using SmemLayoutB = OperandSmemLayout<Element, GMMA::Major::K, GemmConfig::kBlockN>;
   // The same bytes as SmemLayoutB seen as 128-row halves: (kHalfN, BLOCK_K, 2*STAGES), half h of
   // stage s at index 2s+h (tile_to_shape stacks K-major swizzle atoms along rows first, so a
   // stage's rows 0-127 and 128-255 are two consecutive 16 KiB blocks).
-  using SmemLayoutBHalves = ForwardSmemLayoutBHalves;
-  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockK>>;
-  using TileBHalf = Shape<Int<GemmConfig::kHalfN>, Int<GemmConfig::kBlockK>>;
+  using SmemLayoutBHalves = ForwardSmemLayoutBHalves<Element>;
+  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<kBlockK>>;
+  using TileBHalf = Shape<Int<GemmConfig::kHalfN>, Int<kBlockK>>;
 
-  static auto make_a(const bfloat16_t* ptr, int rows, int k) { return forward_tma_a(ptr, rows, k); }
-  static auto make_b(const bfloat16_t* ptr, int n, int k, int experts) { return forward_tma_b(ptr, n, k, experts); }
+  static auto make_a(const Element* ptr, int rows, int k) { return forward_tma_a(ptr, rows, k); }
+  static auto make_b(const Element* ptr, int n, int k, int experts) { return forward_tma_b(ptr, n, k, experts); }
 
   struct Params {
-    decltype(forward_tma_a(nullptr, 1, 1)) tma_a;
-    decltype(forward_tma_b(nullptr, 1, 1, 1)) tma_b0, tma_b1;
+    decltype(forward_tma_a<Element>(nullptr, 1, 1)) tma_a;
+    decltype(forward_tma_b<Element>(nullptr, 1, 1, 1)) tma_b0, tma_b1;
     int rows, k, b_rows, experts;
     int b1_row_shift;  // half 1 reads B1's 128-row block 2n+1 (and half 0 block 2n) when 1, else both block n
   };
-
   static __device__ void prefetch(const Params& p) {
     prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_b0.get_tma_descriptor());
@@ -67,7 +77,7 @@ struct ForwardMainloop {
 
   // Issues k-block kb of tile t into `stage`, completing on `bar`. One thread.
   template <class Barrier>
-  static __device__ void load(const Params& p, bfloat16_t* smem_a, bfloat16_t* smem_b, const GroupedTile& t, int kb,
+  static __device__ void load(const Params& p, Element* smem_a, Element* smem_b, const GroupedTile& t, int kb,
                               int stage, Barrier& bar) {
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.k, 1));
     Tensor mB0 = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k, p.experts));
@@ -87,19 +97,24 @@ struct ForwardMainloop {
     copy(p.tma_b1.with(bar), tB1g(_, b1_block, kb, t.expert), tB1s(_, 2 * stage + 1));
   }
 };
+using ForwardMainloop = ForwardMainloopOf<bfloat16_t>;
 
-template <GMMA::Major kMajorA_>
-struct BackwardMainloop {
+template <class Element_, GMMA::Major kMajorA_>
+struct BackwardMainloopOf {
+  static_assert(sizeof(Element_) == 2, "B is MN-major, which only 16-bit wgmma reads");
+  using Element = Element_;
+  using Operand = OperandConfig<Element>;
+  static constexpr int kBlockK = Operand::kBlockK;
   static constexpr GMMA::Major kMajorA = kMajorA_;
   static constexpr GMMA::Major kMajorB = GMMA::Major::MN;
-  using SmemLayoutA = OperandSmemLayout<kMajorA_, GemmConfig::kBlockM>;
-  using SmemLayoutB = OperandSmemLayout<GMMA::Major::MN, GemmConfig::kBlockN>;
-  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockK>>;
-  using TileB = Shape<Int<GemmConfig::kBlockN>, Int<GemmConfig::kBlockK>>;
+  using SmemLayoutA = OperandSmemLayout<Element, kMajorA_, GemmConfig::kBlockM>;
+  using SmemLayoutB = OperandSmemLayout<Element, GMMA::Major::MN, GemmConfig::kBlockN>;
+  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<kBlockK>>;
+  using TileB = Shape<Int<GemmConfig::kBlockN>, Int<kBlockK>>;
 
   // A as (M, K, planes): K-major rows (stride (row_stride, 1, plane_stride)) or MN-major
   // (stride (1, row_stride, plane_stride)), where row_stride is the activation's row stride.
-  static auto make_a(const bfloat16_t* ptr, int m, int k, int planes, int64_t row_stride, int64_t plane_stride) {
+  static auto make_a(const Element* ptr, int m, int k, int planes, int64_t row_stride, int64_t plane_stride) {
     if constexpr (kMajorA_ == GMMA::Major::K) {
       Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(m, k, planes),
                                                              make_stride(row_stride, _1{}, plane_stride)));
@@ -111,7 +126,7 @@ struct BackwardMainloop {
     }
   }
   // B as (N, K, L), N contiguous: element (n, k, l) at n + k*row_stride + l*batch_stride.
-  static auto make_b(const bfloat16_t* ptr, int n, int k, int l, int64_t row_stride, int64_t batch_stride) {
+  static auto make_b(const Element* ptr, int n, int k, int l, int64_t row_stride, int64_t batch_stride) {
     Tensor t = make_tensor(make_gmem_ptr(ptr),
                            make_layout(make_shape(n, k, l), make_stride(_1{}, row_stride, batch_stride)));
     return make_tma_atom(SM90_TMA_LOAD{}, t, SmemLayoutB{}(_, _, 0), TileB{});
@@ -133,7 +148,7 @@ struct BackwardMainloop {
   }
 
   template <class Barrier>
-  static __device__ void load(const Params& p, bfloat16_t* smem_a, bfloat16_t* smem_b, const GroupedTile& t, int kb,
+  static __device__ void load(const Params& p, Element* smem_a, Element* smem_b, const GroupedTile& t, int kb,
                               int stage, Barrier& bar) {
     const int plane = kb < p.kb_per_plane ? 0 : 1;
     const int k_in_plane = plane == 0 ? kb : kb - p.kb_per_plane;
@@ -151,5 +166,7 @@ struct BackwardMainloop {
     copy(tma_b.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
   }
 };
+template <GMMA::Major kMajorA>
+using BackwardMainloop = BackwardMainloopOf<bfloat16_t, kMajorA>;
 
 }  // namespace mok::cuda::detail

@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     return;
   }
   extern __shared__ __align__(1024) char smem_raw[];
-  GroupedGemmSharedStorage& smem = *reinterpret_cast<GroupedGemmSharedStorage*>(smem_raw);
+  using SharedStorage = GroupedGemmSharedStorage<ForwardMainloop::Element>;
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
   const int cta = blockIdx.x - p.comm_ctas, ctas = gridDim.x - p.comm_ctas;
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     }
   }
   typename Pipeline::Params pp;
-  pp.transaction_bytes = GemmConfig::kStageBytes;
+  pp.transaction_bytes = ForwardMainloop::Operand::kStageBytes;
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
     const int consumer_thread = threadIdx.x - 128;
-    ExpertTiledMma<GMMA::Major::K, GMMA::Major::K> mma;
+    ExpertTiledMma<ForwardMainloop::Element, GMMA::Major::K, GMMA::Major::K> mma;
     auto thr = mma.get_thread_slice(consumer_thread);
     Tensor sA = make_tensor(make_smem_ptr(smem.a), ForwardMainloop::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(smem.b), ForwardMainloop::SmemLayoutB{});
