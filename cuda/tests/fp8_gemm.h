@@ -1,0 +1,22 @@
+// A grouped GEMM with fp8 (e4m3) operands and no scales, through the same persistent kernel as the
+// bf16 expert GEMMs: the check that the precision template parameter is real (ForwardMainloopOf
+// instantiated at e4m3). Test-only: block-scaled fp8 (1x128 activation and 128x128 weight scales,
+// promoted into the fp32 accumulator) is the next step, and the library does not expose fp8 yet.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace mok::test {
+
+// out[r, :] = a[r, :] * b[e]^T for the rows r of expert e's segment [offsets[e], offsets[e+1]):
+// a [rows, k] e4m3, b [experts, n, k] e4m3, out [rows, n] bf16, fp32 accumulation in k order.
+// k a multiple of 16 (TMA row strides), offsets 128-row aligned on the device.
+void fp8_grouped_gemm(const void* a, const void* b, void* out, const int32_t* offsets, int rows, int k, int n,
+                      int experts, int32_t* status, cudaStream_t stream);
+
+// Attributes of that kernel (registers, local memory), for the test to check.
+cudaFuncAttributes fp8_grouped_gemm_attributes();
+
+}  // namespace mok::test
