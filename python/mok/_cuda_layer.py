@@ -185,6 +185,11 @@ class _FusedMoe(torch.autograd.Function):
         topk_w, w_gate, w_up, w_down, *inputs = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
+        if not inputs and ctx.context is None:
+            raise RuntimeError(
+                "mok: this MoE call's backward already ran and freed the context its forward kept; a second "
+                "backward through the same graph (retain_graph=True) needs save_context=False, which runs the "
+                "forward again in every backward")
         if inputs:  # the forward kept nothing: run it again, keeping its context this time
             x, topk_idx = inputs
             ctx.context = ws.fused.new_context(device)

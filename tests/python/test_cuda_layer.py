@@ -69,6 +69,28 @@ def test_recomputed_context_and_inference_give_the_same_bits() -> None:
     assert torch.equal(kept[0], inference), "the no_grad forward differs from the training forward"
 
 
+def test_a_second_backward_needs_save_context_false() -> None:
+    """retain_graph=True: the kept context is freed by the first backward, so a second backward
+    raises a clear error; with save_context=False it recomputes and gives the first's gradients."""
+    p = testing.random_problem(96, 8, 256, 128, 2, seed=31, device="cuda")
+    dy = torch.randn(96, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(torch.bfloat16)
+    for save_context in (True, False):
+        x = p.x.detach().clone().requires_grad_(True)
+        y = mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, save_context=save_context)
+        y.backward(dy, retain_graph=True)
+        first = x.grad.clone()
+        x.grad = None
+        if save_context:
+            with pytest.raises(RuntimeError, match="second backward through the same graph"):
+                y.backward(dy)
+        else:
+            y.backward(dy)
+            assert torch.equal(x.grad, first), "the second backward's dx differs from the first's"
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+
+
 def test_an_expert_id_out_of_range_is_named() -> None:
     p = testing.random_problem(64, 8, 256, 128, 2, seed=5, device="cuda")
     bad = p.topk_idx.clone()
