@@ -3,8 +3,8 @@
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
 # a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
-# Env: MOK_GTEST_FILTER, MOK_TIMING_ARGS, MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g.
-# "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
+# Env: MOK_GTEST_FILTER, MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
+# MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
@@ -61,7 +61,7 @@ fi
 
 if has tests; then
   # Hard timeouts everywhere a kernel runs: a deadlocked pipeline must end the step, not the call.
-  if timeout --kill-after=10 "$(left "${MOK_TEST_TIMEOUT:-240}")" "$BUILD/cuda/mok_cuda_tests" \
+  if timeout --kill-after=10 "$(left "${MOK_TEST_TIMEOUT:-240}")" env ${MOK_TEST_ENV:-} "$BUILD/cuda/mok_cuda_tests" \
        --gtest_filter="${MOK_GTEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1; then
     log "gpu tests ok"
   else

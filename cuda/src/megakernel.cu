@@ -21,6 +21,16 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
+// A development switch for an A/B on the GPU (detail::dispatch_role_bulk): set
+// MOK_EXPERIMENT_DISPATCH=bulk. Outputs are the same either way; only how rows reach the ring.
+bool experiment_bulk_dispatch() {
+  static const bool bulk = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_DISPATCH");
+    return e != nullptr && std::string(e) == "bulk";
+  }();
+  return bulk;
+}
+
 struct CounterLayout {
   int64_t minibatches, row_blocks;
   int64_t x_ready() const { return 0; }
@@ -227,6 +237,13 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
+  // Bulk dispatch slots: whole rows (16-byte multiples) in the comm CTAs' shared memory, after 1 KiB
+  // of mbarriers; at least two, or the warp copies.
+  p.slot_bytes = int((H * 2 + 127) / 128 * 128);
+  p.bulk_slots = experiment_bulk_dispatch()
+                     ? int(std::min<int64_t>(detail::kMaxBulkSlots, (smem - 1024) / p.slot_bytes))
+                     : 0;
+  if (p.bulk_slots < 2) p.bulk_slots = 0;
   p.epoch = a.epoch;
   p.status = status;
   for (int s = 0; s < R; ++s) {

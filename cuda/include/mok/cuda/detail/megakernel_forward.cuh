@@ -116,6 +116,10 @@ struct MegaForwardParams {
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
+  // Dispatch with the TMA engine (dispatch_role_bulk) instead of warp copies: bulk_slots slots of
+  // slot_bytes in the comm CTAs' shared memory; 0 slots = warp copies. An experiment until measured
+  // on a GPU (MOK_EXPERIMENT_DISPATCH=bulk, megakernel.cu).
+  int32_t bulk_slots, slot_bytes;
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -242,6 +246,124 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
   }
 }
 
+// ---- dispatch with the TMA engine: one thread per comm CTA moves whole rows ----
+inline constexpr int kMaxBulkSlots = 16;
+// A bulk copy brings row r from its source rank's x into a shared slot (completing on the slot's
+// mbarrier); a bulk store then writes the slot into the ring row. With n slots, up to n - 1 peer
+// reads are in flight per CTA and no warp waits on one, so fewer comm CTAs might carry the pull
+// (to be measured against dispatch_role's warp copies). Padding rows are zero-filled by the
+// CTA's threads with plain stores.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+  const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst), b = cute::cast_smem_ptr_to_uint(bar);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(gmem_src), "r"(bytes), "r"(b)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
+               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Waits for the phase of `bar` with this parity to complete (a bulk copy's bytes have all landed).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t b = cute::cast_smem_ptr_to_uint(bar);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ void dispatch_role_bulk(const MegaForwardParams& p, char* smem) {
+  const int used = scheduled_rows(p);
+  const int mb = p.mb_rows / GemmConfig::kBlockM;
+  const int slots = p.ring_rows / p.mb_rows;
+  const int row_blocks = used / GemmConfig::kBlockM;
+  const int minibatches = (row_blocks + mb - 1) / mb;
+  const int n = p.bulk_slots;
+  const uint32_t row_bytes = uint32_t(p.row_vectors) * 16u;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);  // n mbarriers, then the slots from byte 1024
+  char* slot_base = smem + 1024;
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    for (int i = 0; i < n; ++i) {
+      const uint32_t b = cute::cast_smem_ptr_to_uint(&bars[i]);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t parity = 0;  // bit i: the phase parity slot i waits for next
+  for (int b = 0; b < minibatches; ++b) {
+    if (b >= slots) {
+      const int prev = b - slots;
+      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
+      if (leader) wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
+      __syncthreads();
+    }
+    const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
+    const int64_t slot_row0 = int64_t(b % slots) * p.mb_rows;
+    auto is_real = [&](int r) {
+      const int rank = p.src_rank[r], slot = p.src_slot[r];
+      return rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots;
+    };
+    // Padding rows: zeros from every thread of the CTA (16-byte stores).
+    for (int r = row0 + int(blockIdx.x); r < row1; r += p.comm_ctas) {
+      if (is_real(r)) continue;
+      uint4* dst = p.ring_x + (slot_row0 + r - row0) * p.row_vectors;
+      for (int v = threadIdx.x; v < p.row_vectors; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    }
+    if (leader) {
+      // The CTA's real rows of b in order; the j-th uses slot j % n. Loads run up to n - 1 ahead
+      // of the stores, and a load reuses a slot only after the store that last read it has
+      // (bulk groups complete in order: wait_group.read 1 leaves only the newest store pending).
+      auto row_of = [&](int i) { return row0 + int(blockIdx.x) + i * p.comm_ctas; };
+      // Two cursors over the CTA's row indices, both skipping padding rows: the next row to load
+      // and the next to store (rows are stored in the order they were loaded).
+      auto skip_padding = [&](int i) {
+        while (row_of(i) < row1 && !is_real(row_of(i))) ++i;
+        return i;
+      };
+      int next_load = skip_padding(0), next_store = next_load;
+      int loads = 0, stores = 0;
+      auto load = [&]() {
+        const int r = row_of(next_load);
+        const uint4* src = p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
+        bulk_load(slot_base + size_t(loads % n) * p.slot_bytes, src, row_bytes, &bars[loads % n]);
+        next_load = skip_padding(next_load + 1);
+        ++loads;
+      };
+      while (loads - stores < n - 1 && row_of(next_load) < row1) load();
+      while (stores < loads) {
+        const int slot = stores % n;
+        mbarrier_wait(&bars[slot], (parity >> slot) & 1u);
+        parity ^= 1u << slot;
+        const int r = row_of(next_store);
+        bulk_store(p.ring_x + (slot_row0 + r - row0) * p.row_vectors, slot_base + size_t(slot) * p.slot_bytes,
+                   row_bytes);
+        next_store = skip_padding(next_store + 1);
+        ++stores;
+        if (row_of(next_load) < row1) {
+          asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+          load();
+        }
+      }
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the ring rows are written
+    }
+    __syncthreads();  // the padding rows too
+    if (leader) {
+      __threadfence();
+      fence_proxy_async();  // the gate/up tiles read them with TMA
+      add_release_gpu(&p.x_ready[b], 1);
+    }
+  }
+}
+
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
 // Two halves of 128 columns, each through both staging tiles (64 columns each): the accumulator
 // values of a half are dead once written, which keeps the read-back within the register budget.
@@ -298,11 +420,15 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     megakernel_forward_kernel(const __grid_constant__ MegaForwardParams p) {
   using Pipeline = GemmConfig::Pipeline;
   constexpr int kStages = GemmConfig::kStages;
+  extern __shared__ __align__(1024) char smem_raw[];
   if (int(blockIdx.x) < p.comm_ctas) {
-    dispatch_role(p);
+    if (p.bulk_slots > 1) {
+      dispatch_role_bulk(p, smem_raw);
+    } else {
+      dispatch_role(p);
+    }
     return;
   }
-  extern __shared__ __align__(1024) char smem_raw[];
   using SharedStorage = GroupedGemmSharedStorage<ForwardMainloop::Element>;
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp = threadIdx.x / 32;
