@@ -7,6 +7,7 @@ The module holds state only (parameters, the group, options); the computation is
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -194,6 +195,65 @@ class MoE(nn.Module):
             raise ValueError(f"the router is for E={self.router.num_experts}, k={self.router.topk}, "
                              f"H={self.router.hidden}; this MoE has E={num_experts}, k={topk}, H={hidden}")
         self.reset_parameters()
+
+    @classmethod
+    def from_experts(cls, experts: Sequence[nn.Module], topk: int, *, gate: str = "gate_proj", up: str = "up_proj",
+                     down: str = "down_proj", shared_expert: nn.Module | None = None,
+                     swiglu_limit: float | None = None, group: dist.ProcessGroup | None = None,
+                     router: str | TopKRouter | None = None, save_context: bool = True,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     config: MoeConfig | None = None) -> MoE:
+        """A MoE with the weights of an existing layer's experts, to swap it into a model.
+
+        ``experts`` lists all E experts in global order, each a SwiGLU MLP
+        ``down(silu(gate(x)) * up(x))`` of three bias-free ``nn.Linear`` submodules named ``gate``,
+        ``up`` and ``down`` (Hugging Face's Qwen-MoE and DeepSeek naming by default; Mixtral's is
+        ``gate="w1", up="w3", down="w2"``). ``shared_expert``, if any, has the same form. With a
+        ``group`` of R ranks this rank takes its E/R experts. The weights are copied (in ``dtype``,
+        default the experts' dtype); the router is as in the constructor, so a model's own router
+        can keep routing and pass ``topk_idx``, ``topk_w`` to :meth:`forward`.
+        """
+        experts = list(experts)
+        if not experts:
+            raise ValueError("experts must list at least one expert")
+
+        def mlp_weights(module: nn.Module, what: str) -> tuple[Tensor, Tensor, Tensor]:
+            weights = []
+            for role, name in (("gate", gate), ("up", up), ("down", down)):
+                linear = getattr(module, name, None)
+                weight = getattr(linear, "weight", None)
+                if not isinstance(weight, Tensor) or weight.dim() != 2:
+                    raise ValueError(f"{what} has no {role} projection {name!r} with a 2-d weight (pass {role}=...)")
+                if getattr(linear, "bias", None) is not None:
+                    raise ValueError(f"{what}.{name} has a bias; MoE experts are bias-free SwiGLU MLPs")
+                weights.append(weight)
+            g, u, d = weights
+            if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
+                raise ValueError(f"{what}: {gate} {tuple(g.shape)}, {up} {tuple(u.shape)} and {down} {tuple(d.shape)} "
+                                 f"are not a SwiGLU MLP (gate and up [I, H], down [H, I])")
+            return g, u, d
+
+        routed = [mlp_weights(e, f"experts[{i}]") for i, e in enumerate(experts)]
+        intermediate, hidden = routed[0][0].shape
+        for i, (g, _, _) in enumerate(routed):
+            if g.shape != (intermediate, hidden):
+                raise ValueError(f"experts[{i}] is [I={g.shape[0]}, H={g.shape[1]}]; experts[0] is "
+                                 f"[I={intermediate}, H={hidden}]")
+        shared = mlp_weights(shared_expert, "shared_expert") if shared_expert is not None else None
+        if shared is not None and shared[0].shape[1] != hidden:
+            raise ValueError(f"shared_expert has H={shared[0].shape[1]}, the experts H={hidden}")
+        module = cls(len(experts), hidden, intermediate, topk, shared_intermediate=shared[0].shape[0] if shared else 0,
+                     swiglu_limit=swiglu_limit, group=group, router=router, save_context=save_context,
+                     dtype=dtype if dtype is not None else routed[0][0].dtype,
+                     device=device if device is not None else routed[0][0].device, config=config)
+        mine = routed[module.first_expert:module.first_expert + module.local_experts]
+        with torch.no_grad():
+            for target, index in ((module.w_gate, 0), (module.w_up, 1), (module.w_down, 2)):
+                target.copy_(torch.stack([w[index].detach().to(target.device) for w in mine]))
+            if shared is not None:
+                for target, weight in zip((module.shared_gate, module.shared_up, module.shared_down), shared):
+                    target.copy_(weight.detach())
+        return module
 
     @property
     def first_expert(self) -> int:

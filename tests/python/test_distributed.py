@@ -234,6 +234,21 @@ def check_explicit_passes_and_module(rank: int, size: int) -> None:
     y_module.backward(p.dy[rank])
     assert torch.equal(m.w_down.grad, ours["d_down"])
 
+    # The same layer swapped in from a model's per-expert modules: this rank takes its experts.
+    def linear(weight: torch.Tensor) -> torch.nn.Linear:
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        return layer
+
+    def expert(g: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> torch.nn.Module:
+        return torch.nn.ModuleDict({"gate_proj": linear(g), "up_proj": linear(u), "down_proj": linear(d)})
+
+    experts = [expert(*(w[e] for w in p.weights)) for e in range(2 * size)]
+    swapped = mok.MoE.from_experts(experts, 2, shared_expert=expert(*p.shared), group=world, dtype=torch.float32)
+    assert (swapped.local_experts, swapped.first_expert) == (2, 2 * rank)
+    assert torch.equal(swapped(p.x[rank], p.topk_idx[rank], p.topk_w[rank]), ours["y"])
+
 
 def check_subgroups(rank: int, size: int) -> None:
     """Two EP subgroups of 2 ranks ({0,2} and {1,3}), each its own layer: each equals its reference."""

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +87,59 @@ def test_module_is_the_functional_layer() -> None:
     assert torch.equal(y_fn.float().view(3, 4, 16), y)
     xb = x.bfloat16()
     assert m(xb).dtype == torch.bfloat16
+
+
+class _Expert(torch.nn.Module):
+    """An expert as models write it (Hugging Face Qwen-MoE / DeepSeek naming, or Mixtral's w1/w3/w2)."""
+
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                                                                                   "down_proj")) -> None:
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], torch.nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[1], torch.nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[2], torch.nn.Linear(intermediate, hidden, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u, d = (getattr(self, n) for n in self.names)
+        return d(F.silu(g(x)) * u(x))
+
+
+def test_from_experts_swaps_a_models_experts() -> None:
+    """MoE.from_experts copies a model's per-expert MLPs (and shared expert): its output is the
+    model's own top-k sum over those modules, in both namings; the copies are independent."""
+    torch.manual_seed(7)
+    E, H, I, k = 6, 16, 12, 2
+    for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        experts = torch.nn.ModuleList(_Expert(H, I, names) for _ in range(E))
+        shared = _Expert(H, 8, names)
+        m = mok.MoE.from_experts(experts, k, gate=names[0], up=names[1], down=names[2], shared_expert=shared)
+        assert (m.num_experts, m.hidden, m.intermediate, m.shared_intermediate) == (E, H, I, 8)
+        x = torch.randn(10, H)
+        idx = torch.stack([torch.randperm(E)[:k] for _ in range(10)])
+        w = torch.softmax(torch.randn(10, k), dim=-1)
+        with torch.no_grad():
+            want = shared(x) + torch.stack([sum(w[t, j] * experts[int(idx[t, j])](x[t]) for j in range(k))
+                                            for t in range(10)])
+            got = m(x, idx, w)
+        assert testing.relative_error(got, want) < 2e-2
+        with torch.no_grad():
+            experts[0].get_submodule(names[0]).weight.zero_()
+        assert m.w_gate[0].abs().sum() > 0, "from_experts must copy the weights, not alias them"
+
+
+def test_from_experts_names_what_does_not_fit() -> None:
+    experts = [_Expert(16, 8) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"experts\[0\] has no gate projection 'w1'"):
+        mok.MoE.from_experts(experts, 2, gate="w1")
+    biased = _Expert(16, 8)
+    biased.up_proj = torch.nn.Linear(16, 8, bias=True)
+    with pytest.raises(ValueError, match=r"experts\[3\].up_proj has a bias"):
+        mok.MoE.from_experts(experts[:3] + [biased], 2)
+    with pytest.raises(ValueError, match=r"experts\[2\] is \[I=4, H=16\]"):
+        mok.MoE.from_experts(experts[:2] + [_Expert(16, 4)], 2)
+    with pytest.raises(ValueError, match="at least one expert"):
+        mok.MoE.from_experts([], 2)
 
 
 def test_gradients_reach_every_parameter_and_match_the_reference() -> None:
