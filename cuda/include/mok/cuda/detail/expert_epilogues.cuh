@@ -170,6 +170,7 @@ struct SwiGluEpilogue {
         });
       });
     }
+    // Chunk c of h (chunk 4 + c of the tile after a save: the same staging tile, c % 2).
     static_for<2>([&](auto c_) {
       constexpr int c = decltype(c_)::value;
       store_chunk<32 * c>(staging, c, p.h, coords, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread, [&](auto i_) {

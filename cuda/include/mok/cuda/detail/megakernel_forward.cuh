@@ -198,14 +198,25 @@ struct MegaTasks {
 };
 
 // ---- dispatch: comm CTAs pull the rows of each minibatch into its ring slot ----
-__device__ void dispatch_role(const MegaForwardParams& p) {
+// Whether schedule row r is a token row (else a padding row, zero in the ring).
+__device__ __forceinline__ bool is_token_row(const MegaForwardParams& p, int r) {
+  const int rank = p.src_rank[r], slot = p.src_slot[r];
+  return rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots;
+}
+__device__ __forceinline__ const uint4* source_row(const MegaForwardParams& p, int r) {
+  return p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
+}
+
+// The comm CTAs' loop, whatever moves the rows: for each minibatch b, wait until its ring slot is
+// free, let move_rows(row0, row1, ring rows of b) write this CTA's rows of [row0, row1) into the
+// slot (every thread of the CTA calls it), then count the CTA in x_ready[b].
+template <class MoveRows>
+__device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_rows) {
   const int used = scheduled_rows(p);
   const int mb = p.mb_rows / GemmConfig::kBlockM;
   const int slots = p.ring_rows / p.mb_rows;
   const int row_blocks = used / GemmConfig::kBlockM;
   const int minibatches = (row_blocks + mb - 1) / mb;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  constexpr int kUnroll = 8;  // 16-byte loads in flight per lane (peer reads are long)
   for (int b = 0; b < minibatches; ++b) {
     if (b >= slots) {
       const int prev = b - slots;
@@ -214,12 +225,25 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
       __syncthreads();
     }
     const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
-    const int64_t slot_row0 = int64_t(b % slots) * p.mb_rows;
+    move_rows(row0, row1, p.ring_x + int64_t(b % slots) * p.mb_rows * p.row_vectors);
+    __syncthreads();  // the CTA's rows of b are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      fence_proxy_async();  // the gate/up tiles read them with TMA
+      add_release_gpu(&p.x_ready[b], 1);
+    }
+  }
+}
+
+// Warp copies: one warp per row, 8 16-byte loads in flight per lane (peer reads are long).
+__device__ void dispatch_role(const MegaForwardParams& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  constexpr int kUnroll = 8;
+  dispatch_minibatches(p, [&](int row0, int row1, uint4* ring) {
     for (int r = row0 + blockIdx.x * warps + warp; r < row1; r += p.comm_ctas * warps) {
-      const int rank = p.src_rank[r], slot = p.src_slot[r];
-      uint4* dst = p.ring_x + (slot_row0 + r - row0) * p.row_vectors;
-      if (rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots) {
-        const uint4* src = p.x[rank] + int64_t(slot / p.topk) * p.row_vectors;
+      uint4* dst = ring + int64_t(r - row0) * p.row_vectors;
+      if (is_token_row(p, r)) {
+        const uint4* src = source_row(p, r);
         for (int v0 = 0; v0 < p.row_vectors; v0 += 32 * kUnroll) {
           uint4 part[kUnroll];
           CUTE_UNROLL
@@ -237,18 +261,12 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
         for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
       }
     }
-    __syncthreads();  // the CTA's rows of b are written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      fence_proxy_async();  // the gate/up tiles read them with TMA
-      add_release_gpu(&p.x_ready[b], 1);
-    }
-  }
+  });
 }
 
 // ---- dispatch with the TMA engine: one thread per comm CTA moves whole rows ----
 inline constexpr int kMaxBulkSlots = 16;
-// A bulk copy brings row r from its source rank's x into a shared slot (completing on the slot's
+// A bulk copy brings a row from its source rank's x into a shared slot (completing on the slot's
 // mbarrier); a bulk store then writes the slot into the ring row. With n slots, up to n - 1 peer
 // reads are in flight per CTA and no warp waits on one, so fewer comm CTAs might carry the pull
 // (to be measured against dispatch_role's warp copies). Padding rows are zero-filled by the
@@ -280,11 +298,6 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 }
 
 __device__ void dispatch_role_bulk(const MegaForwardParams& p, char* smem) {
-  const int used = scheduled_rows(p);
-  const int mb = p.mb_rows / GemmConfig::kBlockM;
-  const int slots = p.ring_rows / p.mb_rows;
-  const int row_blocks = used / GemmConfig::kBlockM;
-  const int minibatches = (row_blocks + mb - 1) / mb;
   const int n = p.bulk_slots;
   const uint32_t row_bytes = uint32_t(p.row_vectors) * 16u;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem);  // n mbarriers, then the slots from byte 1024
@@ -298,70 +311,47 @@ __device__ void dispatch_role_bulk(const MegaForwardParams& p, char* smem) {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  uint32_t parity = 0;  // bit i: the phase parity slot i waits for next
-  for (int b = 0; b < minibatches; ++b) {
-    if (b >= slots) {
-      const int prev = b - slots;
-      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
-      if (leader) wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
-      __syncthreads();
-    }
-    const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
-    const int64_t slot_row0 = int64_t(b % slots) * p.mb_rows;
-    auto is_real = [&](int r) {
-      const int rank = p.src_rank[r], slot = p.src_slot[r];
-      return rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots;
-    };
-    // Padding rows: zeros from every thread of the CTA (16-byte stores).
-    for (int r = row0 + int(blockIdx.x); r < row1; r += p.comm_ctas) {
-      if (is_real(r)) continue;
-      uint4* dst = p.ring_x + (slot_row0 + r - row0) * p.row_vectors;
+  uint32_t parity = 0;  // bit i: the phase parity slot i waits for next (the leader's)
+  dispatch_minibatches(p, [&](int row0, int row1, uint4* ring) {
+    auto row_of = [&](int i) { return row0 + int(blockIdx.x) + i * p.comm_ctas; };  // the CTA's i-th row
+    for (int i = 0; row_of(i) < row1; ++i) {  // padding rows: zeros from every thread
+      if (is_token_row(p, row_of(i))) continue;
+      uint4* dst = ring + int64_t(row_of(i) - row0) * p.row_vectors;
       for (int v = threadIdx.x; v < p.row_vectors; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
     }
-    if (leader) {
-      // The CTA's real rows of b in order; the j-th uses slot j % n. Loads run up to n - 1 ahead
-      // of the stores, and a load reuses a slot only after the store that last read it has
-      // (bulk groups complete in order: wait_group.read 1 leaves only the newest store pending).
-      auto row_of = [&](int i) { return row0 + int(blockIdx.x) + i * p.comm_ctas; };
-      // Two cursors over the CTA's row indices, both skipping padding rows: the next row to load
-      // and the next to store (rows are stored in the order they were loaded).
-      auto skip_padding = [&](int i) {
-        while (row_of(i) < row1 && !is_real(row_of(i))) ++i;
-        return i;
-      };
-      int next_load = skip_padding(0), next_store = next_load;
-      int loads = 0, stores = 0;
-      auto load = [&]() {
-        const int r = row_of(next_load);
-        const uint4* src = p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
-        bulk_load(slot_base + size_t(loads % n) * p.slot_bytes, src, row_bytes, &bars[loads % n]);
-        next_load = skip_padding(next_load + 1);
-        ++loads;
-      };
-      while (loads - stores < n - 1 && row_of(next_load) < row1) load();
-      while (stores < loads) {
-        const int slot = stores % n;
-        mbarrier_wait(&bars[slot], (parity >> slot) & 1u);
-        parity ^= 1u << slot;
-        const int r = row_of(next_store);
-        bulk_store(p.ring_x + (slot_row0 + r - row0) * p.row_vectors, slot_base + size_t(slot) * p.slot_bytes,
-                   row_bytes);
-        next_store = skip_padding(next_store + 1);
-        ++stores;
-        if (row_of(next_load) < row1) {
-          asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-          load();
-        }
+    if (!leader) return;
+    // Token rows in order; the j-th uses slot j % n. Loads run up to n - 1 ahead of the stores,
+    // and a load reuses a slot only after the store that last read it has (bulk groups complete
+    // in order: wait_group.read 1 leaves only the newest store pending). Two cursors over the
+    // CTA's rows skip the padding rows: the next row to load and the next to store.
+    auto skip_padding = [&](int i) {
+      while (row_of(i) < row1 && !is_token_row(p, row_of(i))) ++i;
+      return i;
+    };
+    int next_load = skip_padding(0), next_store = next_load;
+    int loads = 0, stores = 0;
+    auto load = [&]() {
+      bulk_load(slot_base + size_t(loads % n) * p.slot_bytes, source_row(p, row_of(next_load)), row_bytes,
+                &bars[loads % n]);
+      next_load = skip_padding(next_load + 1);
+      ++loads;
+    };
+    while (loads - stores < n - 1 && row_of(next_load) < row1) load();
+    while (stores < loads) {
+      const int slot = stores % n;
+      mbarrier_wait(&bars[slot], (parity >> slot) & 1u);
+      parity ^= 1u << slot;
+      bulk_store(ring + int64_t(row_of(next_store) - row0) * p.row_vectors, slot_base + size_t(slot) * p.slot_bytes,
+                 row_bytes);
+      next_store = skip_padding(next_store + 1);
+      ++stores;
+      if (row_of(next_load) < row1) {
+        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        load();
       }
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the ring rows are written
     }
-    __syncthreads();  // the padding rows too
-    if (leader) {
-      __threadfence();
-      fence_proxy_async();  // the gate/up tiles read them with TMA
-      add_release_gpu(&p.x_ready[b], 1);
-    }
-  }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the ring rows are written
+  });
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
