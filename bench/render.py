@@ -57,6 +57,14 @@ def _size(row: dict[str, Any]) -> str:
     return str(row.get("tokens_per_rank"))
 
 
+def _min_ms(row: dict[str, Any]) -> str:
+    """The fastest iteration, with `!` when the median is more than 10% above it."""
+    low, median = row.get("min_ms"), row.get("median_ms")
+    if not low or not median:
+        return "–"
+    return f"{low:.3f}" + (" !" if median > 1.1 * low else "")
+
+
 def markdown(doc: dict[str, Any]) -> str:
     rows = doc.get("cases", [])
     best = best_baseline_ms(rows)
@@ -75,7 +83,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- summary: {doc.get('summary')}; elapsed {_fmt(doc.get('elapsed_s'), '.0f')} s",
         "",
         "`×floor` = time / max(FLOPs / bf16 rate, HBM bytes / HBM rate, NVLink bytes / NVLink rate) "
-        "(busiest rank); `vs best` = best correct baseline time / this time.",
+        "(busiest rank); `vs best` = best correct baseline time / this time; `min ms` = the fastest iteration "
+        "of the slowest rank (marked `!` when the median is over 10% above it: an unsteady timing).",
     ]
     by_section: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -87,8 +96,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"## {kind} — {pass_name}",
             "",
             f"| preset | R | {size_header} | routing | impl | ms | TFLOP/s | HBM GB/s | NVLink GB/s "
-            "| floor ms | ×floor | vs best | correct |",
-            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| floor ms | ×floor | vs best | correct | min ms |",
+            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         not_run: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         for r in section:
@@ -103,7 +112,7 @@ def markdown(doc: dict[str, Any]) -> str:
             cells = [
                 _fmt(r.get("median_ms"), ".3f"), _fmt(r.get("tflops"), ".4g"), _fmt(r.get("hbm_gbps"), ".4g"),
                 _fmt(r.get("nvlink_gbps"), ".4g"), floor, _fmt(r.get("time_over_floor"), ".2f"),
-                _fmt(vs_best(r, best), ".2f"), correct,
+                _fmt(vs_best(r, best), ".2f"), correct, _min_ms(r),
             ]
             head = f"| {r.get('preset')} | {r.get('ranks')} | {_size(r)} | {r.get('routing')} | {r.get('impl')} | "
             lines.append(head + " | ".join(cells) + " |")

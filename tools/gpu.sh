@@ -191,7 +191,7 @@ if has sweep_2gpu; then
       > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $entry exited non-zero"; }
     log "sweep $entry:"
     python3 -m bench.render "$LOGS/sweep_$tag.json" > /dev/null 2>&1
-    grep -E "^\| [a-z]" "$LOGS/sweep_$tag.md" | grep -v "^| preset" | cut -d'|' -f2,6,7,8,14 | tee -a "$LOGS/summary.txt"
+    grep -E "^\| [a-z]" "$LOGS/sweep_$tag.md" | grep -v "^| preset" | cut -d'|' -f2,6,7,8,14,15 | tee -a "$LOGS/summary.txt"
     publish
   done
 fi
