@@ -56,6 +56,15 @@ def check_tensor(t: object, name: str, dtypes: Sequence[torch.dtype], dims: Sequ
     return t
 
 
+def check_finite(t: torch.Tensor, name: str) -> None:
+    """Raises ValueError naming the first NaN or infinite element of t (the CPU path: a host check)."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}{''.join(f'[{i}]' for i in where)} is not finite ({float(t[tuple(where)])}); "
+                         f"NaN and infinite inputs are not accepted")
+
+
 def check_swiglu_limit(swiglu_limit: object) -> None:
     if swiglu_limit is None:
         return

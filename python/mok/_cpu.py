@@ -82,6 +82,9 @@ def _validate_desc(shape: _checks.LayerShape, ranks: int, swiglu_limit: float | 
                shared_intermediate=shape.shared_intermediate, swiglu_limit=swiglu_limit).validate()
 
 
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+
+
 def _checked_layer(step: str, group: _dist.EpGroup, schedule: tuple[Tensor, ...], x: Tensor, topk_w: Tensor | None,
                    weights: tuple[Tensor | None, ...], swiglu_limit: float | None, topk: int | None = None,
                    more_checks: Callable[[_checks.LayerShape], None] | None = None) -> _checks.LayerShape:
@@ -96,6 +99,11 @@ def _checked_layer(step: str, group: _dist.EpGroup, schedule: tuple[Tensor, ...]
         if more_checks is not None:
             more_checks(shape)
         _validate_desc(shape, group.size, swiglu_limit)
+        # Values last: NaN or infinite inputs would give NaN outputs (and NaN weight gradients for
+        # every row of an expert), so they are named instead.
+        for name, t in (("x", x), ("topk_w", topk_w)) + tuple(zip(_WEIGHT_NAMES, weights)):
+            if t is not None:
+                _checks.check_finite(t, name)
         checked.append(shape)
         return _ep_values(shape, swiglu_limit)
 
@@ -255,6 +263,7 @@ def backward(dy: Tensor, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor
     def check_dy_and_context(shape: _checks.LayerShape) -> None:
         _checks.check_tensor(dy, "dy", (torch.bfloat16,), (("T", shape.tokens), ("H", shape.hidden)), x.device)
         _checks.check_context(context, shape, schedule[1].shape[0])
+        _checks.check_finite(dy, "dy")
 
     shape = _checked_layer("backward", group, schedule, x, topk_w, weights, swiglu_limit,
                            more_checks=check_dy_and_context)

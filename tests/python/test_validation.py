@@ -71,6 +71,16 @@ BAD_MOE_INPUTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type
      "s_up must have shape [Is=8, H=16], got (7, 16)"),
     ("limit value", lambda a: dict(swiglu_limit=-1.0), ValueError, "swiglu_limit must be a finite value > 0"),
     ("limit type", lambda a: dict(swiglu_limit="7"), TypeError, "swiglu_limit must be a float or None, got str"),
+    ("NaN in x", lambda a: dict(x=a["x"].index_put((torch.tensor([4]), torch.tensor([9])),
+                                                    torch.tensor(float("nan"), dtype=torch.bfloat16))),
+     ValueError, "x[4][9] is not finite (nan)"),
+    ("inf in topk_w", lambda a: dict(topk_w=a["topk_w"].index_fill(0, torch.tensor([2]), float("-inf"))), ValueError,
+     "topk_w[2][0] is not finite (-inf)"),
+    ("NaN in a weight", lambda a: dict(w_down=a["w_down"].index_fill(2, torch.tensor([5]), float("nan"))), ValueError,
+     "w_down[0][0][5] is not finite (nan)"),
+    ("inf in the shared expert", lambda a: dict(shared=(a["shared"][0], a["shared"][1].index_fill(0, torch.tensor([7]),
+                                                                                                   float("inf")),
+                                                        a["shared"][2])), ValueError, "s_up[7][0] is not finite (inf)"),
 ]
 
 
@@ -178,3 +188,14 @@ def test_moe_config_is_checked_and_changes_no_bit() -> None:
     m = mok.MoE(E, H, I, K, config=mok.MoeConfig(minibatch_rows=100))
     with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple"):
         m(torch.randn(T, H), a["topk_idx"], a["topk_w"])
+
+
+def test_a_non_finite_gradient_is_named() -> None:
+    """NaN in dy (the backward's input) is named like NaN in the forward's inputs."""
+    a = problem()
+    x = a["x"].clone().requires_grad_(True)
+    y = mok.moe(x, a["topk_idx"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], a["shared"])
+    dy = torch.ones_like(y)
+    dy[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=re.escape("dy[1][3] is not finite (nan)")):
+        y.backward(dy)
