@@ -59,7 +59,7 @@ struct ForwardHandle {
 std::string describe_statuses(const ForwardHandle& h, const int32_t words[4], const mok::cuda::RoutingStatus& rs,
                               int32_t experts) {
   std::string text = mok::cuda::describe_wait_status(words, h.args.epoch);
-  const std::string bad = mok::cuda::describe(rs, h.args.shape);
+  const std::string bad = mok::cuda::describe(rs, h.args.shape, h.args.hidden);
   if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
   if (experts != 0) text += std::string(text.empty() ? "" : "; ") + "expert backward: " + mok::cuda::status_message(experts);
   return text;
@@ -72,6 +72,7 @@ void raise_earlier_failure(const ForwardHandle& h) {
   for (int i = 0; i < 4; ++i) words[i] = m->words[i];
   mok::cuda::RoutingStatus rs;
   rs.bad_expert = m->routing.bad_expert;
+  rs.non_finite = m->routing.non_finite;
   const std::string text = describe_statuses(h, words, rs, m->experts);
   if (!text.empty()) throw std::runtime_error("an earlier call failed (the workspace stays failed): " + text);
 }
@@ -298,6 +299,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       b.swiglu_limit = a.swiglu_limit;
       b.status = a.status;
       b.experts_status = reinterpret_cast<int32_t*>(base + o_xs);
+      b.input_status = a.routing_status;
       b.timeout_s = timeout_s;
     }
     if (plan_text != nullptr && plan_len > 0) {

@@ -187,6 +187,12 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   for (const std::string& why : {can_implement(sa), can_implement(c)})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
+  // 0. This rank's x and topk_w are finite (else the status says which element; the call runs on).
+  const int64_t T = shape.tokens_per_rank;
+  check_finite(SymmetricLayout::at<const void>(mine, l.x), false, T * H, CheckedTensor::x, me, a.routing_status, stream);
+  check_finite(SymmetricLayout::at<const void>(mine, l.topk_w), true, T * shape.topk, CheckedTensor::topk_w, me,
+               a.routing_status, stream);
+
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
@@ -356,6 +362,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg)})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+
+  // 0. This rank's dy is finite (else the status says which element; the call runs on).
+  if (a.input_status != nullptr)
+    check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, a.input_status, stream);
 
   // 1. Every rank's dy and topk_w are in its symmetric buffer.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mok/core/bf16.h"
 #include "mok/cuda/detail/routing_rows.cuh"
 #include "mok/cuda/detail/routing_schedule.cuh"
 
@@ -122,29 +123,91 @@ int64_t routed_row_capacity(const RoutingShape& s) {
   return s.ranks * s.slots() + s.local_experts() * (kRowAlign - 1);
 }
 
-std::string describe(const RoutingStatus& status, const RoutingShape& shape) {
-  if (status.bad_expert == 0) return "";
-  const int64_t position = int64_t{0xffffffff} - static_cast<int64_t>(status.bad_expert >> 32);
-  const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(status.bad_expert & 0xffffffffu));
-  const int64_t slots = std::max<int64_t>(shape.slots(), 1), k = std::max<int64_t>(shape.topk, 1);
-  const int64_t rank = position / slots, slot = position % slots;
+std::string describe(const RoutingStatus& status, const RoutingShape& shape, int64_t hidden) {
   std::ostringstream s;
-  s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
-    << " is out of range [0, " << shape.num_experts << ")";
+  if (status.bad_expert != 0) {
+    const int64_t position = int64_t{0xffffffff} - static_cast<int64_t>(status.bad_expert >> 32);
+    const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(status.bad_expert & 0xffffffffu));
+    const int64_t slots = std::max<int64_t>(shape.slots(), 1), k = std::max<int64_t>(shape.topk, 1);
+    const int64_t rank = position / slots, slot = position % slots;
+    s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
+      << " is out of range [0, " << shape.num_experts << ")";
+  }
+  if (status.non_finite != 0) {
+    const int64_t index = int64_t{0xffffffff} - static_cast<int64_t>(status.non_finite >> 32);
+    const uint32_t low = static_cast<uint32_t>(status.non_finite & 0xffffffffu);
+    const int rank = int(low >> 24), tensor = int((low >> 16) & 0xff);
+    const float value = bf16_to_float(bf16{static_cast<uint16_t>(low & 0xffffu)});
+    const char* name = tensor == int(CheckedTensor::x) ? "x" : tensor == int(CheckedTensor::topk_w) ? "topk_w" : "dy";
+    const int64_t width = std::max<int64_t>(1, tensor == int(CheckedTensor::topk_w) ? shape.topk : hidden);
+    if (status.bad_expert != 0) s << "; ";
+    s << name << "[rank " << rank << "][token " << index / width << "][" << index % width << "] is not finite ("
+      << value << ")";
+  }
   return s.str();
 }
 
 std::string read_routing_status(const RoutingStatus* device_status, const RoutingShape& shape,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int64_t hidden) {
   RoutingStatus host;
   check(cudaMemcpyAsync(&host, device_status, sizeof host, cudaMemcpyDeviceToHost, stream),
         "read routing status");
   check(cudaStreamSynchronize(stream), "synchronize for the routing status");
-  return describe(host, shape);
+  return describe(host, shape, hidden);
 }
 
 void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream) {
   check(cudaMemsetAsync(device_status, 0, sizeof(RoutingStatus), stream), "reset routing status");
+}
+
+// ---- non-finite inputs ----
+namespace detail {
+// Each thread keeps the first non-finite index of its grid-stride share; one atomicMax per thread
+// that found one (the smallest index wins). bf16 values are read 8 at a time, fp32 4 at a time.
+__global__ void check_finite_kernel(const void* values, int f32, int64_t count, uint32_t tag, RoutingStatus* status) {
+  const int per_vector = f32 ? 4 : 8;
+  const int64_t vectors = count / per_vector, stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t first = -1;
+  uint32_t bits16 = 0;
+  auto look = [&](int64_t i, uint32_t upper16) {  // upper16: a bf16, or the upper half of an fp32
+    if ((upper16 & 0x7f80u) == 0x7f80u && (first < 0 || i < first)) {
+      first = i;
+      bits16 = upper16;
+    }
+  };
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < vectors && first < 0; v += stride) {
+    const uint4 q = static_cast<const uint4*>(values)[v];
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    for (int j = 0; j < 4; ++j) {
+      if (f32) {
+        look(v * 4 + j, w[j] >> 16);
+      } else {
+        look(v * 8 + 2 * j, w[j] & 0xffffu);
+        look(v * 8 + 2 * j + 1, w[j] >> 16);
+      }
+    }
+  }
+  for (int64_t i = vectors * per_vector + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count && first < 0;
+       i += stride) {  // the tail past the last whole vector
+    look(i, f32 ? static_cast<const uint32_t*>(values)[i] >> 16 : static_cast<const uint16_t*>(values)[i]);
+  }
+  if (first >= 0) {
+    const unsigned long long position = static_cast<unsigned long long>(first < 0xffffffffLL ? first : 0xfffffffeLL);
+    atomicMax(&status->non_finite, ((0xffffffffULL - position) << 32) | tag | bits16);
+  }
+}
+}  // namespace detail
+
+void check_finite(const void* values, bool f32, int64_t count, CheckedTensor tensor, int64_t rank,
+                  RoutingStatus* status, cudaStream_t stream) {
+  if (count <= 0) return;
+  if (reinterpret_cast<uintptr_t>(values) % 16 != 0)
+    throw std::invalid_argument("mok check_finite: values must be 16-byte aligned");
+  const uint32_t tag = uint32_t(rank & 0xff) << 24 | uint32_t(int(tensor) & 0xff) << 16;
+  const int64_t vectors = (count + 7) / 8;
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((vectors + 255) / 256, 4 * device_sms(0))));
+  detail::check_finite_kernel<<<blocks, 256, 0, stream>>>(values, f32 ? 1 : 0, count, tag, status);
+  check(cudaGetLastError(), "launch check_finite");
 }
 
 // ---- schedule ----
@@ -374,6 +437,7 @@ void preload_routing_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::scatter_row_values_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::epilogue_kernel<true>), "load epilogue kernels");
   check(cudaFuncGetAttributes(&attr, detail::epilogue_kernel<false>), "load epilogue kernels");
+  check(cudaFuncGetAttributes(&attr, detail::check_finite_kernel), "load the input check");
 }
 
 namespace {

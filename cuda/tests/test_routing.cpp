@@ -356,6 +356,36 @@ TEST(RoutingScheduleStatus, OutOfRangeIdIsReportedWithItsFirstPosition) {
             "topk_idx[rank 0][token 0][0] = -1 is out of range [0, 12)");
 }
 
+TEST(RoutingStatusCheck, NonFiniteInputsAreNamedFirstIndexFirst) {
+  // x: bf16 [T=5, H=24] (120 values: the 8-wide vectors, no tail); topk_w: fp32 [5, 3] (15 values:
+  // three 4-wide vectors and a tail of 3). Fresh device status each time.
+  const cuda::RoutingShape shape{2, 5, 3, 8};
+  Rng rng(77);
+  std::vector<uint16_t> x = test::to_bits(test::random_bf16(rng, 5 * 24));
+  std::vector<float> w(15, 0.5f);
+  DeviceBuffer<uint16_t> dx(x.size());
+  DeviceBuffer<float> dw(w.size());
+  DeviceBuffer<cuda::RoutingStatus> status(1);
+  auto run = [&](const std::vector<uint16_t>& xs, const std::vector<float>& ws) {
+    dx.upload(xs);
+    dw.upload(ws);
+    cudaMemset(status.ptr, 0, sizeof(cuda::RoutingStatus));
+    cuda::check_finite(dx.ptr, false, int64_t(xs.size()), cuda::CheckedTensor::x, 1, status.ptr, nullptr);
+    cuda::check_finite(dw.ptr, true, int64_t(ws.size()), cuda::CheckedTensor::topk_w, 1, status.ptr, nullptr);
+    return cuda::read_routing_status(status.ptr, shape, nullptr, 24);
+  };
+  EXPECT_EQ(run(x, w), "");
+  std::vector<uint16_t> bad_x = x;
+  bad_x[3 * 24 + 17] = 0x7fc0;  // NaN
+  bad_x[4 * 24 + 2] = 0xff80;   // -inf, later
+  EXPECT_EQ(run(bad_x, w), "x[rank 1][token 3][17] is not finite (nan)");
+  std::vector<float> bad_w = w;
+  bad_w[14] = INFINITY;  // in the tail
+  EXPECT_EQ(run(x, bad_w), "topk_w[rank 1][token 4][2] is not finite (inf)");
+  bad_w[1] = -INFINITY;  // an earlier index wins
+  EXPECT_EQ(run(x, bad_w), "topk_w[rank 1][token 0][1] is not finite (-inf)");
+}
+
 TEST(RoutingScheduleArgs, CanImplementNamesTheProblem) {
   const cuda::RoutingShape shape{2, 10, 2, 8};
   DeviceSchedule ds(shape);

@@ -4,6 +4,8 @@ pure-torch reference; skipped where there is no Hopper GPU or the sm_90a library
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -104,6 +106,37 @@ def test_an_expert_id_out_of_range_is_named() -> None:
     # The workspace stays failed: the next call raises too, without a device sync of its own.
     with pytest.raises(RuntimeError, match="an earlier call failed"):
         mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
+    _cuda_layer.clear()
+
+
+def test_a_non_finite_input_is_named() -> None:
+    """NaN in x, or infinity in topk_w or dy, is found on the device (no host sync) and named by
+    check() and by the next call, as the CPU path names it at once."""
+    from mok import _cuda_layer
+
+    p = testing.random_problem(64, 8, 256, 128, 2, seed=8, device="cuda")
+    x = p.x.clone()
+    x[9, 17] = float("nan")
+    _cuda_layer.clear()
+    mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
+    with pytest.raises(RuntimeError, match=re.escape("x[rank 0][token 9][17] is not finite (nan)")):
+        _cuda_layer.check()
+    with pytest.raises(RuntimeError, match="an earlier call failed"):
+        mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
+    _cuda_layer.clear()
+    w = p.topk_w.clone()
+    w[5, 1] = float("inf")
+    mok.moe(p.x, p.topk_idx, w, p.w_gate, p.w_up, p.w_down)
+    with pytest.raises(RuntimeError, match=re.escape("topk_w[rank 0][token 5][1] is not finite (inf)")):
+        _cuda_layer.check()
+    _cuda_layer.clear()
+    leaf = p.x.clone().requires_grad_(True)
+    y = mok.moe(leaf, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
+    dy = torch.ones_like(y)
+    dy[2, 3] = float("-inf")
+    y.backward(dy)
+    with pytest.raises(RuntimeError, match=re.escape("dy[rank 0][token 2][3] is not finite (-inf)")):
+        _cuda_layer.check()
     _cuda_layer.clear()
 
 
