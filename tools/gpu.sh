@@ -35,12 +35,17 @@ publish() {
   for f in "$LOGS"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" . 2>/dev/null
 }
-trap publish EXIT
+trap '[ -n "${CLOCKS_PID:-}" ] && kill "$CLOCKS_PID" 2>/dev/null; publish' EXIT
 log() { echo "== $(date +%T) $*" | tee -a "$LOGS/summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 log "commit $COMMIT steps: $STEPS"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv > "$LOGS/nvidia-smi.txt" 2>&1
+# SM clocks, power and throttle reasons every 250 ms for the whole call (clocks.csv): whether a
+# timing moved with the clocks (a busier kernel before it can leave the GPU at a lower clock).
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 250 > "$LOGS/clocks.csv" 2>&1 &
+CLOCKS_PID=$!
 
 if has build; then
   gtest_args=()
