@@ -413,6 +413,10 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
       out << "rank " << rank << " timed out waiting for rank " << where
           << " to push its dx and d topk_w rows (saw epoch " << seen << ", wanted " << epoch << ")";
       break;
+    case detail::kWaitBulkRow:
+      out << "rank " << rank << " timed out waiting for the bulk copy of schedule row " << where
+          << " from its source rank (dispatch)";
+      break;
     case detail::kWaitCombine:
       out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "
           << seen << ", wanted " << epoch << ")";

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -134,15 +135,21 @@ std::string describe(const RoutingStatus& status, const RoutingShape& shape, int
       << " is out of range [0, " << shape.num_experts << ")";
   }
   if (status.non_finite != 0) {
-    const int64_t index = int64_t{0xffffffff} - static_cast<int64_t>(status.non_finite >> 32);
-    const uint32_t low = static_cast<uint32_t>(status.non_finite & 0xffffffffu);
-    const int rank = int(low >> 24), tensor = int((low >> 16) & 0xff);
-    const float value = bf16_to_float(bf16{static_cast<uint16_t>(low & 0xffffu)});
+    const uint64_t key = status.non_finite;
+    const int tensor = 4 - int(key >> 62);
+    const int64_t index = int64_t{0xffffffff} - static_cast<int64_t>((key >> 30) & 0xffffffffu);
+    const int rank = int((key >> 16) & 0x3fff);
+    const float value = bf16_to_float(bf16{static_cast<uint16_t>(key & 0xffffu)});
     const char* name = tensor == int(CheckedTensor::x) ? "x" : tensor == int(CheckedTensor::topk_w) ? "topk_w" : "dy";
     const int64_t width = std::max<int64_t>(1, tensor == int(CheckedTensor::topk_w) ? shape.topk : hidden);
     if (status.bad_expert != 0) s << "; ";
-    s << name << "[rank " << rank << "][token " << index / width << "][" << index % width << "] is not finite ("
-      << value << ")";
+    s << name << "[rank " << rank << "][token " << index / width << "][" << index % width << "] is not finite (";
+    if (std::isnan(value)) {
+      s << "nan";
+    } else {
+      s << value;
+    }
+    s << ")";
   }
   return s.str();
 }
@@ -164,23 +171,29 @@ void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream) {
 namespace detail {
 // Each thread keeps the first non-finite index of its grid-stride share; one atomicMax per thread
 // that found one (the smallest index wins). bf16 values are read 8 at a time, fp32 4 at a time.
-__global__ void check_finite_kernel(const void* values, int f32, int64_t count, uint32_t tag, RoutingStatus* status) {
+__global__ void check_finite_kernel(const void* values, int f32, int64_t count, uint64_t tag,
+                                    RoutingStatus* status) {
   const int per_vector = f32 ? 4 : 8;
   const int64_t vectors = count / per_vector, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t first = -1;
   uint32_t bits16 = 0;
-  auto look = [&](int64_t i, uint32_t upper16) {  // upper16: a bf16, or the upper half of an fp32
-    if ((upper16 & 0x7f80u) == 0x7f80u && (first < 0 || i < first)) {
+  auto look = [&](int64_t i, uint32_t as_bf16) {
+    if ((as_bf16 & 0x7f80u) == 0x7f80u && (first < 0 || i < first)) {
       first = i;
-      bits16 = upper16;
+      bits16 = as_bf16;
     }
+  };
+  // An fp32 as bf16 bits for the status: its upper half, or 0x7fc0 for any NaN (a NaN whose
+  // payload is only in the lower half would otherwise read as an infinity).
+  auto f32_bits = [](uint32_t w) {
+    return (w & 0x7f800000u) == 0x7f800000u && (w & 0x7fffffu) != 0 ? 0x7fc0u : w >> 16;
   };
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < vectors && first < 0; v += stride) {
     const uint4 q = static_cast<const uint4*>(values)[v];
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
     for (int j = 0; j < 4; ++j) {
       if (f32) {
-        look(v * 4 + j, w[j] >> 16);
+        look(v * 4 + j, f32_bits(w[j]));
       } else {
         look(v * 8 + 2 * j, w[j] & 0xffffu);
         look(v * 8 + 2 * j + 1, w[j] >> 16);
@@ -189,11 +202,12 @@ __global__ void check_finite_kernel(const void* values, int f32, int64_t count, 
   }
   for (int64_t i = vectors * per_vector + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count && first < 0;
        i += stride) {  // the tail past the last whole vector
-    look(i, f32 ? static_cast<const uint32_t*>(values)[i] >> 16 : static_cast<const uint16_t*>(values)[i]);
+    look(i, f32 ? f32_bits(static_cast<const uint32_t*>(values)[i]) : static_cast<const uint16_t*>(values)[i]);
   }
   if (first >= 0) {
-    const unsigned long long position = static_cast<unsigned long long>(first < 0xffffffffLL ? first : 0xfffffffeLL);
-    atomicMax(&status->non_finite, ((0xffffffffULL - position) << 32) | tag | bits16);
+    const uint64_t position = static_cast<uint64_t>(first < 0xffffffffLL ? first : 0xfffffffeLL);
+    const uint32_t value = (bits16 & 0x7fu) == 0 ? bits16 : 0x7fc0u;  // an infinity keeps its sign; NaN is NaN
+    atomicMax(&status->non_finite, tag | (0xffffffffULL - position) << 30 | value);
   }
 }
 }  // namespace detail
@@ -203,7 +217,7 @@ void check_finite(const void* values, bool f32, int64_t count, CheckedTensor ten
   if (count <= 0) return;
   if (reinterpret_cast<uintptr_t>(values) % 16 != 0)
     throw std::invalid_argument("mok check_finite: values must be 16-byte aligned");
-  const uint32_t tag = uint32_t(rank & 0xff) << 24 | uint32_t(int(tensor) & 0xff) << 16;
+  const uint64_t tag = uint64_t(4 - int(tensor)) << 62 | uint64_t(rank & 0x3fff) << 16;
   const int64_t vectors = (count + 7) / 8;
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((vectors + 255) / 256, 4 * device_sms(0))));
   detail::check_finite_kernel<<<blocks, 256, 0, stream>>>(values, f32 ? 1 : 0, count, tag, status);

@@ -45,10 +45,4 @@ void fp8_grouped_gemm(const void* a, const void* b, void* out, const int32_t* of
   check(cudaGetLastError(), "launch fp8 grouped GEMM");
 }
 
-cudaFuncAttributes fp8_grouped_gemm_attributes() {
-  cudaFuncAttributes attr{};
-  check(cudaFuncGetAttributes(&attr, grouped_gemm_kernel<Mainloop, Epilogue>), "attributes");
-  return attr;
-}
-
 }  // namespace mok::test

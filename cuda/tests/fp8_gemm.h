@@ -16,7 +16,4 @@ namespace mok::test {
 void fp8_grouped_gemm(const void* a, const void* b, void* out, const int32_t* offsets, int rows, int k, int n,
                       int experts, int32_t* status, cudaStream_t stream);
 
-// Attributes of that kernel (registers, local memory), for the test to check.
-cudaFuncAttributes fp8_grouped_gemm_attributes();
-
 }  // namespace mok::test

@@ -384,6 +384,11 @@ TEST(RoutingStatusCheck, NonFiniteInputsAreNamedFirstIndexFirst) {
   EXPECT_EQ(run(x, bad_w), "topk_w[rank 1][token 4][2] is not finite (inf)");
   bad_w[1] = -INFINITY;  // an earlier index wins
   EXPECT_EQ(run(x, bad_w), "topk_w[rank 1][token 0][1] is not finite (-inf)");
+  EXPECT_EQ(run(bad_x, bad_w), "x[rank 1][token 3][17] is not finite (nan)");  // x before topk_w
+  std::vector<float> payload_nan = w;
+  uint32_t bits = 0x7f800001u;  // a NaN whose payload is only in the lower half
+  std::memcpy(&payload_nan[6], &bits, 4);
+  EXPECT_EQ(run(x, payload_nan), "topk_w[rank 1][token 2][0] is not finite (nan)");
 }
 
 TEST(RoutingScheduleArgs, CanImplementNamesTheProblem) {

@@ -47,8 +47,9 @@ int64_t routed_row_capacity(const RoutingShape& shape);
 // bad_expert: the first out-of-range expert id the schedule build saw, in (rank, token, j) order:
 // (0xffffffff - (rank*T*k + token*k + j)) << 32 | uint32(id), kept by atomicMax so the smallest
 // position wins whatever the timing. Bad ids are skipped (no row is placed for them).
-// non_finite: the first NaN or infinite element check_finite saw, in the same form:
-// (0xffffffff - index) << 32 | rank << 24 | tensor << 16 | the value's upper 16 bits.
+// non_finite: the first NaN or infinite element check_finite saw, x before topk_w before dy:
+// (4 - tensor) << 62 | (0xffffffff - index) << 30 | rank << 16 | the value as bf16 bits (any
+// NaN as 0x7fc0), also kept by atomicMax.
 struct RoutingStatus {
   unsigned long long bad_expert = 0;
   unsigned long long non_finite = 0;

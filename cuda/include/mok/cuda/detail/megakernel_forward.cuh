@@ -73,7 +73,26 @@ enum WaitCode : int32_t {
   kWaitBarrier = 19,     // the start barrier waited for rank `where`
   kWaitCombine = 20,     // the combine waited for rank `where`'s pushes
   kWaitGrads = 21,       // the backward waited for rank `where`'s dx and d topk_w pushes
+  kWaitBulkRow = 22,     // a bulk copy of row `where` (dispatch_role_bulk) did not complete
 };
+
+// The first wait of a call to give up records why in the status words (the others see it and
+// give up at once: waits_abandoned).
+__device__ __forceinline__ void record_give_up(const WaitStatus& s, int32_t code, int32_t where, uint32_t seen) {
+  if (atomicCAS(s.words, 0, code) == 0) {
+    s.words[1] = s.rank;
+    s.words[2] = where;
+    s.words[3] = static_cast<int32_t>(seen);
+    s.words[4] = static_cast<int32_t>(s.epoch);
+    __threadfence_system();
+  }
+}
+// Another wait of this call gave up (a failure of an earlier call does not end this call's waits
+// early, so a failed rank still meets the others at the barriers).
+__device__ __forceinline__ bool waits_abandoned(const WaitStatus& s) {
+  const volatile int32_t* w = s.words;
+  return w[0] != 0 && uint32_t(w[4]) == s.epoch;
+}
 
 // Spins until *p >= target; false when it gave up (it timed out, or another wait did).
 template <bool kSystem>
@@ -82,18 +101,9 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
   for (int spin = 0;; ++spin) {
     const uint32_t seen = kSystem ? ld_acquire_sys(p) : ld_acquire_gpu(p);
     if (seen >= target) return true;
-    // Another wait of this call gave up: so does this one (a failure of an earlier call does not
-    // end this call's waits early, so a failed rank still meets the others at the barriers).
-    const volatile int32_t* w = s.words;
-    if (w[0] != 0 && uint32_t(w[4]) == s.epoch) return false;
+    if (waits_abandoned(s)) return false;
     if (global_ns() - start > s.timeout_ns) {
-      if (atomicCAS(s.words, 0, code) == 0) {
-        s.words[1] = s.rank;
-        s.words[2] = where;
-        s.words[3] = static_cast<int32_t>(seen);
-        s.words[4] = static_cast<int32_t>(s.epoch);
-        __threadfence_system();
-      }
+      record_give_up(s, code, where, seen);
       return false;
     }
     if (spin > 32) __nanosleep(256);
@@ -221,7 +231,10 @@ __device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_r
     if (b >= slots) {
       const int prev = b - slots;
       const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
-      if (threadIdx.x == 0) wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
+      if (threadIdx.x == 0) {
+        wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
+        fence_proxy_async();  // the slot's last readers were TMA loads; bulk stores may overwrite it next
+      }
       __syncthreads();
     }
     const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
@@ -266,6 +279,7 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
 
 // ---- dispatch with the TMA engine: one thread per comm CTA moves whole rows ----
 inline constexpr int kMaxBulkSlots = 16;
+static_assert(kMaxBulkSlots * sizeof(uint64_t) <= 1024, "the slots' mbarriers fit before the slots");
 // A bulk copy brings a row from its source rank's x into a shared slot (completing on the slot's
 // mbarrier); a bulk store then writes the slot into the ring row. With n slots, up to n - 1 peer
 // reads are in flight per CTA and no warp waits on one, so fewer comm CTAs might carry the pull
@@ -284,16 +298,24 @@ __device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src,
                : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
-// Waits for the phase of `bar` with this parity to complete (a bulk copy's bytes have all landed).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// Waits for the phase of `bar` with this parity to complete (a bulk copy's bytes have all landed);
+// false when it gave up (timed out: code kWaitBulkRow for row `where`, or another wait did).
+__device__ bool mbarrier_wait(uint64_t* bar, uint32_t parity, const WaitStatus& s, int32_t where) {
   const uint32_t b = cute::cast_smem_ptr_to_uint(bar);
-  uint32_t done = 0;
-  while (!done) {
+  const uint64_t start = global_ns();
+  for (;;) {
+    uint32_t done = 0;
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(b), "r"(parity)
         : "memory");
+    if (done) return true;
+    if (waits_abandoned(s)) return false;
+    if (global_ns() - start > s.timeout_ns) {
+      record_give_up(s, kWaitBulkRow, where, 0);
+      return false;
+    }
   }
 }
 
@@ -339,7 +361,9 @@ __device__ void dispatch_role_bulk(const MegaForwardParams& p, char* smem) {
     while (loads - stores < n - 1 && row_of(next_load) < row1) load();
     while (stores < loads) {
       const int slot = stores % n;
-      mbarrier_wait(&bars[slot], (parity >> slot) & 1u);
+      // A load that never completes: the status names the row, and the phase is left as it is
+      // (the call's results are garbage from here; the other waits give up at once).
+      if (!mbarrier_wait(&bars[slot], (parity >> slot) & 1u, p.status, row_of(next_store))) break;
       parity ^= 1u << slot;
       bulk_store(ring + int64_t(row_of(next_store) - row0) * p.row_vectors, slot_base + size_t(slot) * p.slot_bytes,
                  row_bytes);
