@@ -312,8 +312,14 @@ def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, 
 
 
 def clear_workspace_cache() -> None:
-    """Forgets every cached workspace (their buffers are freed when no longer referenced)."""
+    """Forgets every cached workspace (their buffers are freed when no longer referenced), the GPU
+    layer's included: a GPU workspace whose call failed stays failed until this runs on every rank."""
     _WORKSPACES.clear()
+    import sys
+
+    gpu_layer = sys.modules.get(f"{__package__}._cuda_layer")  # loaded only once a GPU call was made
+    if gpu_layer is not None:
+        gpu_layer.clear()
 
 
 # ---------------------------------------------------------------------------------------------
