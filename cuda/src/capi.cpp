@@ -42,7 +42,9 @@ struct ForwardHandle {
     int32_t words[4];
     mok::cuda::RoutingStatus routing;
     int32_t experts;
+    unsigned long long non_finite;  // the key in this rank's symmetric buffer (check_finite)
   };
+  void* own_base = nullptr;  // this rank's symmetric buffer, as of the last call
   Mirror* mirror = nullptr;
 
   ~ForwardHandle() {
@@ -57,10 +59,11 @@ struct ForwardHandle {
 
 // What went wrong in the calls the statuses cover ("" = nothing).
 std::string describe_statuses(const ForwardHandle& h, const int32_t words[4], const mok::cuda::RoutingStatus& rs,
-                              int32_t experts) {
+                              int32_t experts, unsigned long long non_finite) {
   std::string text = mok::cuda::describe_wait_status(words, h.args.epoch);
-  const std::string bad = mok::cuda::describe(rs, h.args.shape, h.args.hidden);
-  if (!bad.empty()) text += (text.empty() ? "" : "; ") + bad;
+  for (const std::string& more : {mok::cuda::describe(rs, h.args.shape),
+                                  mok::cuda::describe_non_finite(non_finite, h.args.shape, h.args.hidden)})
+    if (!more.empty()) text += (text.empty() ? "" : "; ") + more;
   if (experts != 0) text += std::string(text.empty() ? "" : "; ") + "expert backward: " + mok::cuda::status_message(experts);
   return text;
 }
@@ -72,9 +75,14 @@ void raise_earlier_failure(const ForwardHandle& h) {
   for (int i = 0; i < 4; ++i) words[i] = m->words[i];
   mok::cuda::RoutingStatus rs;
   rs.bad_expert = m->routing.bad_expert;
-  rs.non_finite = m->routing.non_finite;
-  const std::string text = describe_statuses(h, words, rs, m->experts);
+  const std::string text = describe_statuses(h, words, rs, m->experts, m->non_finite);
   if (!text.empty()) throw std::runtime_error("an earlier call failed (the workspace stays failed): " + text);
+}
+
+// This rank's non-finite key in its symmetric buffer (null before the first call).
+const void* non_finite_key(const ForwardHandle& h) {
+  return h.own_base == nullptr ? nullptr
+                               : static_cast<const char*>(h.own_base) + h.args.layout.status();
 }
 
 // Queues the copies of the device statuses into the mirror after a call.
@@ -84,6 +92,8 @@ void refresh_mirror(const ForwardHandle& h, cudaStream_t stream) {
   if (h.keeps_rows)
     cudaMemcpyAsync(&h.mirror->experts, h.backward.experts_status, sizeof h.mirror->experts, cudaMemcpyDeviceToHost,
                     stream);
+  if (const void* key = non_finite_key(h))
+    cudaMemcpyAsync(&h.mirror->non_finite, key, sizeof h.mirror->non_finite, cudaMemcpyDeviceToHost, stream);
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -299,7 +309,6 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       b.swiglu_limit = a.swiglu_limit;
       b.status = a.status;
       b.experts_status = reinterpret_cast<int32_t*>(base + o_xs);
-      b.input_status = a.routing_status;
       b.timeout_s = timeout_s;
     }
     if (plan_text != nullptr && plan_len > 0) {
@@ -348,6 +357,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
     mok::cuda::MoeForwardArgs a = h->args;
     a.bases = table;
+    h->own_base = table[h->args.rank];
     a.w_gate = w_gate;
     a.w_up = w_up;
     a.w_down = w_down;
@@ -392,6 +402,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
     mok::cuda::MoeBackwardArgs b = h->backward;
     b.bases = table;
+    h->own_base = table[h->args.rank];
     b.w_gate = w_gate;
     b.w_up = w_up;
     b.w_down = w_down;
@@ -442,7 +453,10 @@ int mok_cuda_forward_check(void* handle, char* message, int message_len) {
     int32_t experts = 0;
     if (h->keeps_rows)
       cuda_check(cudaMemcpy(&experts, h->backward.experts_status, 4, cudaMemcpyDeviceToHost), "read the status");
-    text = describe_statuses(*h, words, rs, experts);
+    unsigned long long non_finite = 0;
+    if (const void* key = non_finite_key(*h))
+      cuda_check(cudaMemcpy(&non_finite, key, sizeof non_finite, cudaMemcpyDeviceToHost), "read the input check");
+    text = describe_statuses(*h, words, rs, experts, non_finite);
   } catch (const std::exception& e) {
     text = e.what();
   }

@@ -31,6 +31,11 @@ bool experiment_bulk_dispatch() {
   return bulk;
 }
 
+// Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
+void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
+  for (int s = 0; s < ranks; ++s) keys[s] = SymmetricLayout::at<unsigned long long>(bases[s], l.status());
+}
+
 struct CounterLayout {
   int64_t minibatches, row_blocks;
   int64_t x_ready() const { return 0; }
@@ -187,11 +192,14 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   for (const std::string& why : {can_implement(sa), can_implement(c)})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
-  // 0. This rank's x and topk_w are finite (else the status says which element; the call runs on).
+  // 0. This rank's x and topk_w are finite (else every rank's non-finite key names the element;
+  //    the call runs on).
   const int64_t T = shape.tokens_per_rank;
-  check_finite(SymmetricLayout::at<const void>(mine, l.x), false, T * H, CheckedTensor::x, me, a.routing_status, stream);
-  check_finite(SymmetricLayout::at<const void>(mine, l.topk_w), true, T * shape.topk, CheckedTensor::topk_w, me,
-               a.routing_status, stream);
+  unsigned long long* keys[kMaxRanks];
+  non_finite_keys(a.bases, l, R, keys);
+  check_finite(SymmetricLayout::at<const void>(mine, l.x), false, T * H, CheckedTensor::x, me, keys, R, stream);
+  check_finite(SymmetricLayout::at<const void>(mine, l.topk_w), true, T * shape.topk, CheckedTensor::topk_w, me, keys,
+               R, stream);
 
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
@@ -363,9 +371,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
                                  can_implement(dg)})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
 
-  // 0. This rank's dy is finite (else the status says which element; the call runs on).
-  if (a.input_status != nullptr)
-    check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, a.input_status, stream);
+  // 0. This rank's dy is finite (else every rank's non-finite key names the element; the call runs on).
+  unsigned long long* keys[kMaxRanks];
+  non_finite_keys(a.bases, l, R, keys);
+  check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, keys, R, stream);
 
   // 1. Every rank's dy and topk_w are in its symmetric buffer.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,

@@ -124,43 +124,44 @@ int64_t routed_row_capacity(const RoutingShape& s) {
   return s.ranks * s.slots() + s.local_experts() * (kRowAlign - 1);
 }
 
-std::string describe(const RoutingStatus& status, const RoutingShape& shape, int64_t hidden) {
+std::string describe(const RoutingStatus& status, const RoutingShape& shape) {
+  if (status.bad_expert == 0) return "";
+  const int64_t position = int64_t{0xffffffff} - static_cast<int64_t>(status.bad_expert >> 32);
+  const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(status.bad_expert & 0xffffffffu));
+  const int64_t slots = std::max<int64_t>(shape.slots(), 1), k = std::max<int64_t>(shape.topk, 1);
+  const int64_t rank = position / slots, slot = position % slots;
   std::ostringstream s;
-  if (status.bad_expert != 0) {
-    const int64_t position = int64_t{0xffffffff} - static_cast<int64_t>(status.bad_expert >> 32);
-    const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(status.bad_expert & 0xffffffffu));
-    const int64_t slots = std::max<int64_t>(shape.slots(), 1), k = std::max<int64_t>(shape.topk, 1);
-    const int64_t rank = position / slots, slot = position % slots;
-    s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
-      << " is out of range [0, " << shape.num_experts << ")";
+  s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
+    << " is out of range [0, " << shape.num_experts << ")";
+  return s.str();
+}
+
+std::string describe_non_finite(unsigned long long key, const RoutingShape& shape, int64_t hidden) {
+  if (key == 0) return "";
+  const int tensor = 4 - int(key >> 62);
+  const int64_t index = int64_t{0xffffffff} - static_cast<int64_t>((key >> 30) & 0xffffffffu);
+  const int rank = int((key >> 16) & 0x3fff);
+  const float value = bf16_to_float(bf16{static_cast<uint16_t>(key & 0xffffu)});
+  const char* name = tensor == int(CheckedTensor::x) ? "x" : tensor == int(CheckedTensor::topk_w) ? "topk_w" : "dy";
+  const int64_t width = std::max<int64_t>(1, tensor == int(CheckedTensor::topk_w) ? shape.topk : hidden);
+  std::ostringstream s;
+  s << name << "[rank " << rank << "][token " << index / width << "][" << index % width << "] is not finite (";
+  if (std::isnan(value)) {
+    s << "nan";
+  } else {
+    s << value;
   }
-  if (status.non_finite != 0) {
-    const uint64_t key = status.non_finite;
-    const int tensor = 4 - int(key >> 62);
-    const int64_t index = int64_t{0xffffffff} - static_cast<int64_t>((key >> 30) & 0xffffffffu);
-    const int rank = int((key >> 16) & 0x3fff);
-    const float value = bf16_to_float(bf16{static_cast<uint16_t>(key & 0xffffu)});
-    const char* name = tensor == int(CheckedTensor::x) ? "x" : tensor == int(CheckedTensor::topk_w) ? "topk_w" : "dy";
-    const int64_t width = std::max<int64_t>(1, tensor == int(CheckedTensor::topk_w) ? shape.topk : hidden);
-    if (status.bad_expert != 0) s << "; ";
-    s << name << "[rank " << rank << "][token " << index / width << "][" << index % width << "] is not finite (";
-    if (std::isnan(value)) {
-      s << "nan";
-    } else {
-      s << value;
-    }
-    s << ")";
-  }
+  s << ")";
   return s.str();
 }
 
 std::string read_routing_status(const RoutingStatus* device_status, const RoutingShape& shape,
-                                cudaStream_t stream, int64_t hidden) {
+                                cudaStream_t stream) {
   RoutingStatus host;
   check(cudaMemcpyAsync(&host, device_status, sizeof host, cudaMemcpyDeviceToHost, stream),
         "read routing status");
   check(cudaStreamSynchronize(stream), "synchronize for the routing status");
-  return describe(host, shape, hidden);
+  return describe(host, shape);
 }
 
 void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream) {
@@ -169,10 +170,14 @@ void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream) {
 
 // ---- non-finite inputs ----
 namespace detail {
-// Each thread keeps the first non-finite index of its grid-stride share; one atomicMax per thread
-// that found one (the smallest index wins). bf16 values are read 8 at a time, fp32 4 at a time.
+// Each thread keeps the first non-finite index of its grid-stride share; one atomicMax per key and
+// thread that found one (the smallest index wins). bf16 values are read 8 at a time, fp32 4 at a time.
+struct FiniteKeys {
+  unsigned long long* words[kMaxRanks];
+  int count;
+};
 __global__ void check_finite_kernel(const void* values, int f32, int64_t count, uint64_t tag,
-                                    RoutingStatus* status) {
+                                    const __grid_constant__ FiniteKeys keys) {
   const int per_vector = f32 ? 4 : 8;
   const int64_t vectors = count / per_vector, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t first = -1;
@@ -207,20 +212,26 @@ __global__ void check_finite_kernel(const void* values, int f32, int64_t count, 
   if (first >= 0) {
     const uint64_t position = static_cast<uint64_t>(first < 0xffffffffLL ? first : 0xfffffffeLL);
     const uint32_t value = (bits16 & 0x7fu) == 0 ? bits16 : 0x7fc0u;  // an infinity keeps its sign; NaN is NaN
-    atomicMax(&status->non_finite, tag | (0xffffffffULL - position) << 30 | value);
+    const unsigned long long key = tag | (0xffffffffULL - position) << 30 | value;
+    for (int r = 0; r < keys.count; ++r) atomicMax_system(keys.words[r], key);
   }
 }
 }  // namespace detail
 
 void check_finite(const void* values, bool f32, int64_t count, CheckedTensor tensor, int64_t rank,
-                  RoutingStatus* status, cudaStream_t stream) {
+                  unsigned long long* const* keys, int num_keys, cudaStream_t stream) {
   if (count <= 0) return;
   if (reinterpret_cast<uintptr_t>(values) % 16 != 0)
     throw std::invalid_argument("mok check_finite: values must be 16-byte aligned");
+  if (num_keys < 1 || num_keys > kMaxRanks)
+    throw std::invalid_argument("mok check_finite: num_keys must be in [1, " + std::to_string(kMaxRanks) + "]");
+  detail::FiniteKeys k{};
+  for (int r = 0; r < num_keys; ++r) k.words[r] = keys[r];
+  k.count = num_keys;
   const uint64_t tag = uint64_t(4 - int(tensor)) << 62 | uint64_t(rank & 0x3fff) << 16;
   const int64_t vectors = (count + 7) / 8;
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((vectors + 255) / 256, 4 * device_sms(0))));
-  detail::check_finite_kernel<<<blocks, 256, 0, stream>>>(values, f32 ? 1 : 0, count, tag, status);
+  detail::check_finite_kernel<<<blocks, 256, 0, stream>>>(values, f32 ? 1 : 0, count, tag, k);
   check(cudaGetLastError(), "launch check_finite");
 }
 

@@ -356,27 +356,31 @@ TEST(RoutingScheduleStatus, OutOfRangeIdIsReportedWithItsFirstPosition) {
             "topk_idx[rank 0][token 0][0] = -1 is out of range [0, 12)");
 }
 
-TEST(RoutingStatusCheck, NonFiniteInputsAreNamedFirstIndexFirst) {
+TEST(RoutingStatusCheck, NonFiniteInputsAreNamedOnEveryRankFirstIndexFirst) {
   // x: bf16 [T=5, H=24] (120 values: the 8-wide vectors, no tail); topk_w: fp32 [5, 3] (15 values:
-  // three 4-wide vectors and a tail of 3). Fresh device status each time.
+  // three 4-wide vectors and a tail of 3). Two keys, as two ranks' symmetric words: both get the
+  // key. Fresh keys each time.
   const cuda::RoutingShape shape{2, 5, 3, 8};
   Rng rng(77);
   std::vector<uint16_t> x = test::to_bits(test::random_bf16(rng, 5 * 24));
   std::vector<float> w(15, 0.5f);
   DeviceBuffer<uint16_t> dx(x.size());
   DeviceBuffer<float> dw(w.size());
-  DeviceBuffer<cuda::RoutingStatus> status(1);
+  DeviceBuffer<unsigned long long> keys(2);
+  unsigned long long* const key_ptrs[2] = {keys.ptr, keys.ptr + 1};
   auto run = [&](const std::vector<uint16_t>& xs, const std::vector<float>& ws) {
     dx.upload(xs);
     dw.upload(ws);
-    cudaMemset(status.ptr, 0, sizeof(cuda::RoutingStatus));
-    cuda::check_finite(dx.ptr, false, int64_t(xs.size()), cuda::CheckedTensor::x, 1, status.ptr, nullptr);
-    cuda::check_finite(dw.ptr, true, int64_t(ws.size()), cuda::CheckedTensor::topk_w, 1, status.ptr, nullptr);
-    return cuda::read_routing_status(status.ptr, shape, nullptr, 24);
+    cudaMemset(keys.ptr, 0, 2 * sizeof(unsigned long long));
+    cuda::check_finite(dx.ptr, false, int64_t(xs.size()), cuda::CheckedTensor::x, 1, key_ptrs, 2, nullptr);
+    cuda::check_finite(dw.ptr, true, int64_t(ws.size()), cuda::CheckedTensor::topk_w, 1, key_ptrs, 2, nullptr);
+    const std::vector<unsigned long long> k = keys.download();
+    EXPECT_EQ(k[0], k[1]) << "every rank's key is the same";
+    return cuda::describe_non_finite(k[0], shape, 24);
   };
   EXPECT_EQ(run(x, w), "");
   std::vector<uint16_t> bad_x = x;
-  bad_x[3 * 24 + 17] = 0x7fc0;  // NaN
+  bad_x[3 * 24 + 17] = 0xffc0;  // a NaN with the sign bit (x86's default NaN) still reads "nan"
   bad_x[4 * 24 + 2] = 0xff80;   // -inf, later
   EXPECT_EQ(run(bad_x, w), "x[rank 1][token 3][17] is not finite (nan)");
   std::vector<float> bad_w = w;
@@ -386,7 +390,7 @@ TEST(RoutingStatusCheck, NonFiniteInputsAreNamedFirstIndexFirst) {
   EXPECT_EQ(run(x, bad_w), "topk_w[rank 1][token 0][1] is not finite (-inf)");
   EXPECT_EQ(run(bad_x, bad_w), "x[rank 1][token 3][17] is not finite (nan)");  // x before topk_w
   std::vector<float> payload_nan = w;
-  uint32_t bits = 0x7f800001u;  // a NaN whose payload is only in the lower half
+  const uint32_t bits = 0x7f800001u;  // a NaN whose payload is only in the lower half
   std::memcpy(&payload_nan[6], &bits, 4);
   EXPECT_EQ(run(x, payload_nan), "topk_w[rank 1][token 2][0] is not finite (nan)");
 }

@@ -32,7 +32,8 @@ struct SymmetricLayout {
   int64_t dw_slots = 0;  // [T*k] fp32: d topk_w pushed here, one slot per (token, j)
   // Signal lines, one 32-bit word at the start of each: for each source rank s, combine_arrived[s]
   // and dx_arrived[s] (counters a pushing rank adds to with release semantics after its slots),
-  // barrier[s] (epoch flags for a barrier with no multicast), then one status line.
+  // barrier[s] (epoch flags for a barrier with no multicast), then one status line (its first 8
+  // bytes: the non-finite key every rank's input check writes into, cuda/routing.h).
   int64_t signals = 0;
   int64_t total = 0;  // bytes of one rank's buffer
 

@@ -49,7 +49,7 @@ struct MoeForwardArgs {
   int32_t* src_slot = nullptr;        // [row_capacity]
   int64_t row_capacity = 0;           // >= routed_row_capacity(shape)
   void* schedule_workspace = nullptr; // schedule_workspace_bytes(shape)
-  RoutingStatus* routing_status = nullptr;  // sticky: an out-of-range expert id, a non-finite x or topk_w
+  RoutingStatus* routing_status = nullptr;  // sticky: an out-of-range expert id
   // The ring: S = ring_rows / minibatch_rows slots of one minibatch each.
   int64_t minibatch_rows = 0;  // a multiple of 128
   int64_t ring_rows = 0;       // a multiple of minibatch_rows
@@ -111,7 +111,6 @@ struct MoeBackwardArgs {
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;       // [4], as in MoeForwardArgs
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
-  RoutingStatus* input_status = nullptr;  // optional (the forward's routing_status): records a non-finite dy
   double timeout_s = 10.0;
 };
 std::string can_implement(const MoeBackwardArgs& args);

@@ -43,33 +43,37 @@ struct RoutingShape {
 // at most kRowAlign-1 padding rows per local expert. Equals mok::schedule_capacity_rows(desc, kRowAlign).
 int64_t routed_row_capacity(const RoutingShape& shape);
 
-// Sticky device status of a call's inputs. Zero (cudaMemset 0) means clean.
-// bad_expert: the first out-of-range expert id the schedule build saw, in (rank, token, j) order:
-// (0xffffffff - (rank*T*k + token*k + j)) << 32 | uint32(id), kept by atomicMax so the smallest
-// position wins whatever the timing. Bad ids are skipped (no row is placed for them).
-// non_finite: the first NaN or infinite element check_finite saw, x before topk_w before dy:
-// (4 - tensor) << 62 | (0xffffffff - index) << 30 | rank << 16 | the value as bf16 bits (any
-// NaN as 0x7fc0), also kept by atomicMax.
+// Sticky device status of the schedule build. Zero (cudaMemset 0) means every expert id seen was
+// in [0, E). Otherwise it records the first bad id in (rank, token, j) order:
+// bad_expert = (0xffffffff - (rank*T*k + token*k + j)) << 32 | uint32(id), kept by atomicMax so the
+// smallest position wins whatever the timing. Bad ids are skipped (no row is placed for them).
 struct RoutingStatus {
   unsigned long long bad_expert = 0;
-  unsigned long long non_finite = 0;
 };
-// The tensors check_finite scans (RoutingStatus::non_finite).
-enum class CheckedTensor : int { x = 1, topk_w = 2, dy = 3 };
 // "" when the status is clean, else e.g. "topk_idx[rank 1][token 5][1] = 19 is out of range [0, 16)"
-// (the CPU's validate_routing wording) and "x[rank 0][token 3][17] is not finite (nan)"; hidden
-// gives the row width of x and dy.
-std::string describe(const RoutingStatus& status, const RoutingShape& shape, int64_t hidden = 0);
+// (the CPU's validate_routing wording).
+std::string describe(const RoutingStatus& status, const RoutingShape& shape);
+
+// The tensors check_finite scans.
+enum class CheckedTensor : int { x = 1, topk_w = 2, dy = 3 };
+// A non-finite key: the first NaN or infinite element check_finite saw, x before topk_w before dy:
+// (4 - tensor) << 62 | (0xffffffff - index) << 30 | rank << 16 | the value as bf16 bits (any NaN
+// as 0x7fc0), kept by atomicMax; 0 = none. It lives in every rank's symmetric buffer
+// (SymmetricLayout::status()), so every rank of the group sees a NaN that one rank found.
+// "" for 0, else e.g. "x[rank 0][token 3][17] is not finite (nan)"; hidden is the row width of x
+// and dy.
+std::string describe_non_finite(unsigned long long key, const RoutingShape& shape, int64_t hidden);
+// Records the first NaN or infinite of `count` values (bf16, or fp32 when f32) of this rank's
+// `tensor` into each of `keys` (device words, one per rank, peer addresses allowed: system-scope
+// atomics); asynchronous, one read of the values. NaN inputs would otherwise give NaN outputs (and
+// NaN weight gradients for every row of an expert) without a word.
+void check_finite(const void* values, bool f32, int64_t count, CheckedTensor tensor, int64_t rank,
+                  unsigned long long* const* keys, int num_keys, cudaStream_t stream);
 // Copies the device status to the host (synchronizes `stream`) and describes it.
 std::string read_routing_status(const RoutingStatus* device_status, const RoutingShape& shape,
-                                cudaStream_t stream, int64_t hidden = 0);
+                                cudaStream_t stream);
 // Zeroes the device status (asynchronous).
 void reset_routing_status(RoutingStatus* device_status, cudaStream_t stream);
-// Records in status->non_finite the first NaN or infinite of `count` values (bf16, or fp32 when
-// f32) of this rank's `tensor`; asynchronous, one read of the values. NaN inputs would otherwise
-// give NaN outputs (and NaN weight gradients for every row of an expert) without a word.
-void check_finite(const void* values, bool f32, int64_t count, CheckedTensor tensor, int64_t rank,
-                  RoutingStatus* status, cudaStream_t stream);
 
 // ---- The schedule of one destination rank ----
 struct ScheduleArgs {
