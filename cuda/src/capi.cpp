@@ -34,7 +34,7 @@ struct ForwardHandle {
   bool keeps_rows = false;
   int64_t context_rows = 0;  // rows of a kept context's x_rows / h / gu (the row capacity, whole minibatches)
   mok::MoeConfig config;
-  void* memory = nullptr;  // one cudaMalloc for all local buffers
+  std::unique_ptr<mok::cuda::FusedBuffers> buffers;  // every local buffer, one allocation
   int device = 0;
   // Pinned host copies of the status words, refreshed asynchronously after every call: the next
   // call reads them without a device sync and raises if an earlier call failed.
@@ -51,7 +51,7 @@ struct ForwardHandle {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device);
-    if (memory != nullptr) cudaFree(memory);
+    buffers.reset();
     if (mirror != nullptr) cudaFreeHost(mirror);
     cudaSetDevice(current);
   }
@@ -243,78 +243,35 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.hidden = hidden;
     a.intermediate = intermediate;
     a.layout = mok::SymmetricLayout::make(tokens, hidden, topk, ranks);
-    a.row_capacity = mok::cuda::routed_row_capacity(a.shape);
-    a.minibatch_rows = c.minibatch_rows;
-    a.ring_rows = c.ring_rows;
     h->keeps_rows = keep_rows != 0;
-    h->context_rows = (a.row_capacity + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
     a.timeout_s = timeout_s;
-    // One allocation, carved into 256-byte aligned pieces.
-    const int64_t El = a.shape.local_experts(), cap = a.row_capacity;
-    int64_t at = 0;
-    auto take = [&](int64_t bytes) {
-      const int64_t offset = at;
-      at += (bytes + 255) / 256 * 256;
-      return offset;
-    };
-    const int64_t o_offsets = take((El + 1) * 4), o_rows = take(El * 4), o_src_rank = take(cap * 4),
-                  o_src_slot = take(cap * 4), o_ws = take(mok::cuda::schedule_workspace_bytes(a.shape)),
-                  o_rstatus = take(sizeof(mok::cuda::RoutingStatus)), o_ring_x = take(a.ring_rows * hidden * 2),
-                  o_ring_h = take(a.ring_rows * intermediate * 2),
-                  o_counters = take(mok::cuda::megakernel_counter_words(cap, a.minibatch_rows) * 4),
-                  o_status = take(mok::cuda::kStatusWords * 4);
-    const bool keep = h->keeps_rows;
-    const int64_t o_dy = keep ? take(cap * hidden * 2) : 0,
-                  o_rw = keep ? take(cap * 4) : 0, o_dgu = keep ? take(cap * 2 * intermediate * 2) : 0,
-                  o_hw = keep ? take(cap * intermediate * 2) : 0,
-                  o_dwp = keep ? take(cap * mok::cuda::dw_partial_blocks(intermediate) * 4) : 0,
-                  o_dx = keep ? take(cap * hidden * 2) : 0, o_drw = keep ? take(cap * 4) : 0,
-                  o_xs = keep ? take(16) : 0;
-    cuda_check(cudaMalloc(&h->memory, std::max<int64_t>(at, 256)), "allocate the forward's buffers");
+    h->buffers = std::make_unique<mok::cuda::FusedBuffers>(a.shape, hidden, intermediate, c.minibatch_rows, c.ring_rows,
+                                                           h->keeps_rows);
+    h->buffers->wire(a);
+    const int64_t cap = a.row_capacity;
+    h->context_rows = (cap + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
     cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&h->mirror), sizeof(ForwardHandle::Mirror), cudaHostAllocDefault),
                "allocate the status mirror");
     std::memset(h->mirror, 0, sizeof(ForwardHandle::Mirror));
-    cuda_check(cudaMemset(h->memory, 0, std::max<int64_t>(at, 256)), "zero the forward's buffers");
-    cuda_check(cudaDeviceSynchronize(), "zero the forward's buffers");  // before any stream of the caller's uses them
-    char* base = static_cast<char*>(h->memory);
-    a.expert_offsets = reinterpret_cast<int32_t*>(base + o_offsets);
-    a.expert_rows = reinterpret_cast<int32_t*>(base + o_rows);
-    a.src_rank = reinterpret_cast<int32_t*>(base + o_src_rank);
-    a.src_slot = reinterpret_cast<int32_t*>(base + o_src_slot);
-    a.schedule_workspace = base + o_ws;
-    a.routing_status = reinterpret_cast<mok::cuda::RoutingStatus*>(base + o_rstatus);
-    a.ring_x = base + o_ring_x;
-    a.ring_h = base + o_ring_h;
-    a.counters = reinterpret_cast<uint32_t*>(base + o_counters);
-    a.status = reinterpret_cast<int32_t*>(base + o_status);
     a.epoch = 0;
-    if (keep) {
+    if (h->keeps_rows) {
       mok::cuda::MoeBackwardArgs& b = h->backward;
       b.shape = a.shape;
       b.rank = rank;
       b.hidden = hidden;
       b.intermediate = intermediate;
       b.layout = a.layout;
-      b.row_capacity = cap;
-      b.dy_rows = base + o_dy;
-      b.row_weight = reinterpret_cast<float*>(base + o_rw);
-      b.dgu = base + o_dgu;
-      b.hw = base + o_hw;
-      b.dw_partial = reinterpret_cast<float*>(base + o_dwp);
-      b.dx_rows = base + o_dx;
-      b.d_row_weight = reinterpret_cast<float*>(base + o_drw);
+      h->buffers->wire(b);
       b.swiglu_limit = a.swiglu_limit;
-      b.status = a.status;
-      b.experts_status = reinterpret_cast<int32_t*>(base + o_xs);
       b.timeout_s = timeout_s;
     }
     if (plan_text != nullptr && plan_len > 0) {
       std::ostringstream text;
       text << "comm CTAs " << a.comm_ctas << ", minibatch " << a.minibatch_rows << " rows, ring " << a.ring_rows
-           << " rows, row capacity " << cap << ", local buffers " << at << " bytes\n" << c.explanation;
+           << " rows, row capacity " << cap << ", local buffers " << h->buffers->bytes() << " bytes\n" << c.explanation;
       std::strncpy(plan_text, text.str().c_str(), size_t(plan_len - 1));
       plan_text[plan_len - 1] = '\0';
     }

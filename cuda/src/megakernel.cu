@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -95,6 +96,97 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
 }
 
 }  // namespace
+
+FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
+                           int64_t ring_rows, bool keep_rows)
+    : shape_(shape),
+      hidden_(hidden),
+      intermediate_(intermediate),
+      minibatch_rows_(minibatch_rows),
+      ring_rows_(ring_rows),
+      capacity_(routed_row_capacity(shape)),
+      keep_rows_(keep_rows) {
+  if (hidden <= 0 || intermediate <= 0 || minibatch_rows <= 0 || ring_rows <= 0)
+    throw std::invalid_argument("mok FusedBuffers: hidden, intermediate, minibatch_rows and ring_rows must be > 0");
+  const int64_t El = shape.local_experts(), cap = capacity_, H = hidden, I = intermediate;
+  int64_t end = 0;
+  auto take = [&](int64_t bytes) {  // 256-byte aligned pieces of one allocation
+    const int64_t offset = end;
+    end += (bytes + 255) / 256 * 256;
+    return offset;
+  };
+  o_.offsets = take((El + 1) * 4);
+  o_.rows = take(El * 4);
+  o_.src_rank = take(cap * 4);
+  o_.src_slot = take(cap * 4);
+  o_.workspace = take(schedule_workspace_bytes(shape));
+  o_.routing_status = take(sizeof(RoutingStatus));
+  o_.ring_x = take(ring_rows * H * 2);
+  o_.ring_h = take(ring_rows * I * 2);
+  o_.counters = take(megakernel_counter_words(cap, minibatch_rows) * 4);
+  o_.status = take(kStatusWords * 4);
+  if (keep_rows) {
+    o_.dy_rows = take(cap * H * 2);
+    o_.row_weight = take(cap * 4);
+    o_.dgu = take(cap * 2 * I * 2);
+    o_.hw = take(cap * I * 2);
+    o_.dw_partial = take(cap * dw_partial_blocks(I) * 4);
+    o_.dx_rows = take(cap * H * 2);
+    o_.d_row_weight = take(cap * 4);
+    o_.experts_status = take(16);
+  }
+  bytes_ = std::max<int64_t>(end, 256);
+  check(cudaGetDevice(&device_), "cudaGetDevice");
+  check(cudaMalloc(&memory_, size_t(bytes_)), "allocate the fused forward's buffers");
+  // Zeroed before any stream of the caller's uses them (statuses and counters start at 0).
+  check(cudaMemset(memory_, 0, size_t(bytes_)), "zero the fused forward's buffers");
+  check(cudaDeviceSynchronize(), "zero the fused forward's buffers");
+}
+
+FusedBuffers::~FusedBuffers() {
+  int current = 0;
+  cudaGetDevice(&current);
+  cudaSetDevice(device_);
+  cudaFree(memory_);
+  cudaSetDevice(current);
+}
+
+void FusedBuffers::wire(MoeForwardArgs& a) const {
+  a.expert_offsets = static_cast<int32_t*>(at(o_.offsets));
+  a.expert_rows = static_cast<int32_t*>(at(o_.rows));
+  a.src_rank = static_cast<int32_t*>(at(o_.src_rank));
+  a.src_slot = static_cast<int32_t*>(at(o_.src_slot));
+  a.row_capacity = capacity_;
+  a.schedule_workspace = at(o_.workspace);
+  a.routing_status = routing_status();
+  a.minibatch_rows = minibatch_rows_;
+  a.ring_rows = ring_rows_;
+  a.ring_x = ring_x();
+  a.ring_h = ring_h();
+  a.counters = static_cast<uint32_t*>(at(o_.counters));
+  a.status = status();
+}
+
+void FusedBuffers::wire(MoeBackwardArgs& b) const {
+  if (!keep_rows_) throw std::invalid_argument("mok FusedBuffers: the backward's scratch needs keep_rows");
+  b.expert_offsets = expert_offsets();
+  b.src_rank = static_cast<const int32_t*>(at(o_.src_rank));
+  b.src_slot = static_cast<const int32_t*>(at(o_.src_slot));
+  b.row_capacity = capacity_;
+  if (ring_rows_ >= capacity_) {  // every row kept at its schedule position
+    b.x_rows = ring_x();
+    b.h = ring_h();
+  }
+  b.dy_rows = at(o_.dy_rows);
+  b.row_weight = static_cast<float*>(at(o_.row_weight));
+  b.dgu = at(o_.dgu);
+  b.hw = at(o_.hw);
+  b.dw_partial = static_cast<float*>(at(o_.dw_partial));
+  b.dx_rows = at(o_.dx_rows);
+  b.d_row_weight = static_cast<float*>(at(o_.d_row_weight));
+  b.status = status();
+  b.experts_status = experts_status();
+}
 
 void preload_kernels() {
   // Once per device: every call of moe_forward / moe_backward comes here, and after the first

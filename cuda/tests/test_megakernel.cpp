@@ -41,15 +41,11 @@ struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;
   std::unique_ptr<DeviceBuffer<uint8_t>> symmetric;
-  std::unique_ptr<DeviceBuffer<uint16_t>> w_gate, w_up, w_down, ring_x, ring_h, gu, y;
-  std::unique_ptr<DeviceBuffer<int32_t>> offsets, rows, src_rank, src_slot, status;
-  std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
-  std::unique_ptr<DeviceBuffer<cuda::RoutingStatus>> routing_status;
-  std::unique_ptr<DeviceBuffer<uint32_t>> counters;
-  // The backward's scratch and outputs.
-  std::unique_ptr<DeviceBuffer<uint16_t>> dy_rows, dgu, hw, dx_rows, dx;
-  std::unique_ptr<DeviceBuffer<float>> row_weight, dw_partial, d_row_weight, d_topk_w, dwg, dwu, dwd;
-  std::unique_ptr<DeviceBuffer<int32_t>> experts_status;
+  std::unique_ptr<DeviceBuffer<uint16_t>> w_gate, w_up, w_down, gu, y;
+  std::unique_ptr<cuda::FusedBuffers> buffers;  // schedule, ring, counters, statuses, backward scratch
+  // The backward's outputs.
+  std::unique_ptr<DeviceBuffer<uint16_t>> dx;
+  std::unique_ptr<DeviceBuffer<float>> d_topk_w, dwg, dwu, dwd;
 };
 
 struct Outputs {
@@ -106,38 +102,17 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     rk.w_down->upload(to_bits(slice(in.routed.down, r * El * H * I, El * H * I)));
     const int64_t ring = cfg.backward ? (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows
                                       : cfg.minibatch_rows * cfg.ring_slots;
-    rk.ring_x = bf(ring * H);
-    rk.ring_h = bf(ring * I);
+    rk.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, cfg.minibatch_rows, ring, cfg.backward);
     rk.gu = bf(capacity * 2 * I);
     rk.y = bf(T * H);
     rk.gu->poison();
     rk.y->poison();
-    rk.ring_x->poison();
-    rk.ring_h->poison();
-    auto i32 = [](int64_t n) { return std::make_unique<DeviceBuffer<int32_t>>(size_t(n)); };
-    rk.offsets = i32(El + 1);
-    rk.rows = i32(El);
-    rk.src_rank = i32(capacity);
-    rk.src_slot = i32(capacity);
-    rk.status = i32(cuda::kStatusWords);
-    cudaMemset(rk.status->ptr, 0, cuda::kStatusWords * 4);
-    rk.workspace = std::make_unique<DeviceBuffer<uint8_t>>(size_t(cuda::schedule_workspace_bytes(shape)));
-    rk.routing_status = std::make_unique<DeviceBuffer<cuda::RoutingStatus>>(1);
-    cudaMemset(rk.routing_status->ptr, 0, sizeof(cuda::RoutingStatus));
-    rk.counters = std::make_unique<DeviceBuffer<uint32_t>>(
-        size_t(cuda::megakernel_counter_words(capacity, cfg.minibatch_rows)));
+    cudaMemset(rk.buffers->ring_x(), 0xff, size_t(ring * H * 2));  // rows the dispatch does not write stay NaN
+    cudaMemset(rk.buffers->ring_h(), 0xff, size_t(ring * I * 2));
     if (cfg.backward) {
-      const int64_t blocks = cuda::dw_partial_blocks(I);
-      rk.dy_rows = bf(capacity * H);
-      rk.dgu = bf(capacity * 2 * I);
-      rk.hw = bf(capacity * I);
-      rk.dx_rows = bf(capacity * H);
       rk.dx = bf(T * H);
       rk.dx->poison();
       auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
-      rk.row_weight = f32(capacity);
-      rk.dw_partial = f32(capacity * blocks);
-      rk.d_row_weight = f32(capacity);
       rk.d_topk_w = f32(T * k);
       rk.d_topk_w->poison();
       rk.dwg = f32(El * I * H);
@@ -146,8 +121,6 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       rk.dwg->poison();
       rk.dwu->poison();
       rk.dwd->poison();
-      rk.experts_status = i32(1);
-      cudaMemset(rk.experts_status->ptr, 0, 4);
       std::vector<uint16_t> dy = to_bits((*cfg.dy)[r]);
       cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.dy), dy.data(), dy.size() * 2, cudaMemcpyHostToDevice);
     }
@@ -195,26 +168,13 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.w_gate = rk.w_gate->ptr;
       a.w_up = rk.w_up->ptr;
       a.w_down = rk.w_down->ptr;
-      a.expert_offsets = rk.offsets->ptr;
-      a.expert_rows = rk.rows->ptr;
-      a.src_rank = rk.src_rank->ptr;
-      a.src_slot = rk.src_slot->ptr;
-      a.row_capacity = capacity;
-      a.schedule_workspace = rk.workspace->ptr;
-      a.routing_status = rk.routing_status->ptr;
-      a.minibatch_rows = cfg.minibatch_rows;
-      a.ring_rows = cfg.backward ? (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows
-                                 : cfg.minibatch_rows * cfg.ring_slots;
-      a.ring_x = rk.ring_x->ptr;
-      a.ring_h = rk.ring_h->ptr;
+      rk.buffers->wire(a);
       a.gu = rk.gu->ptr;
-      a.counters = rk.counters->ptr;
       a.y = rk.y->ptr;
       a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.swiglu_limit = d.swiglu_limit;
-      a.status = rk.status->ptr;
       a.timeout_s = cfg.timeout_s;
       try {
         cuda::moe_forward(a, rk.stream);
@@ -236,20 +196,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.w_gate = rk.w_gate->ptr;
       b.w_up = rk.w_up->ptr;
       b.w_down = rk.w_down->ptr;
-      b.expert_offsets = rk.offsets->ptr;
-      b.src_rank = rk.src_rank->ptr;
-      b.src_slot = rk.src_slot->ptr;
-      b.row_capacity = capacity;
-      b.x_rows = rk.ring_x->ptr;
-      b.h = rk.ring_h->ptr;
+      rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
-      b.dy_rows = rk.dy_rows->ptr;
-      b.row_weight = rk.row_weight->ptr;
-      b.dgu = rk.dgu->ptr;
-      b.hw = rk.hw->ptr;
-      b.dw_partial = rk.dw_partial->ptr;
-      b.dx_rows = rk.dx_rows->ptr;
-      b.d_row_weight = rk.d_row_weight->ptr;
       b.d_w_gate = rk.dwg->ptr;
       b.d_w_up = rk.dwu->ptr;
       b.d_w_down = rk.dwd->ptr;
@@ -257,8 +205,6 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.d_topk_w = rk.d_topk_w->ptr;
       b.epoch = uint32_t(2 * run);
       b.swiglu_limit = d.swiglu_limit;
-      b.status = rk.status->ptr;
-      b.experts_status = rk.experts_status->ptr;
       b.timeout_s = cfg.timeout_s;
       try {
         cuda::moe_backward(b, rk.stream);
@@ -277,10 +223,11 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     Rank& rk = ranks[r];
     cudaSetDevice(rk.device);
     if (launches[r]) {
-      const std::vector<int32_t> words = rk.status->download();
-      out.errors[r] += cuda::describe_wait_status(words.data(), uint32_t(cfg.backward ? 2 * runs : runs));
+      int32_t words[4];
+      cudaMemcpy(words, rk.buffers->status(), sizeof words, cudaMemcpyDeviceToHost);
+      out.errors[r] += cuda::describe_wait_status(words, uint32_t(cfg.backward ? 2 * runs : runs));
       cuda::RoutingStatus rs;
-      cudaMemcpy(&rs, rk.routing_status->ptr, sizeof(rs), cudaMemcpyDeviceToHost);
+      cudaMemcpy(&rs, rk.buffers->routing_status(), sizeof(rs), cudaMemcpyDeviceToHost);
       const std::string bad = cuda::describe(rs, shape);
       if (!bad.empty()) out.errors[r] += bad;
     }
@@ -292,9 +239,12 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       append(out.dwg, rk.dwg->download());
       append(out.dwu, rk.dwu->download());
       append(out.dwd, rk.dwd->download());
-      if (rk.experts_status->download()[0] != 0) out.errors[r] += "expert backward status nonzero; ";
+      int32_t experts = 0;
+      cudaMemcpy(&experts, rk.buffers->experts_status(), 4, cudaMemcpyDeviceToHost);
+      if (experts != 0) out.errors[r] += "expert backward status nonzero; ";
     }
-    const std::vector<int32_t> offsets = rk.offsets->download();
+    std::vector<int32_t> offsets(size_t(El + 1));
+    cudaMemcpy(offsets.data(), rk.buffers->expert_offsets(), offsets.size() * 4, cudaMemcpyDeviceToHost);
     std::vector<uint16_t> gu = rk.gu->download();
     gu.resize(size_t(std::max(0, offsets[El])) * 2 * I);
     out.gu.push_back(gu);

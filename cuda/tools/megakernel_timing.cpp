@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -55,11 +56,8 @@ void run(const Shape& s) {
 
   struct RankData {
     void* base;
-    uint16_t *wg, *wu, *wd, *ring_x, *ring_h, *y;
-    int32_t *offsets, *rows, *src_rank, *src_slot, *status;
-    void* ws;
-    mok::cuda::RoutingStatus* rstatus;
-    uint32_t* counters;
+    uint16_t *wg, *wu, *wd, *y;
+    std::unique_ptr<mok::cuda::FusedBuffers> buffers;
     cudaStream_t stream;
   };
   std::vector<RankData> ranks(R);
@@ -83,17 +81,9 @@ void run(const Shape& s) {
     fill_random(rd.wg, size_t(El * I * H), 20 + r, 0.02f);
     fill_random(rd.wu, size_t(El * I * H), 30 + r, 0.02f);
     fill_random(rd.wd, size_t(El * H * I), 40 + r, 0.02f);
-    rd.ring_x = device<uint16_t>(c.ring_rows * H);
-    rd.ring_h = device<uint16_t>(c.ring_rows * I);
     rd.y = device<uint16_t>(T * H);
-    rd.offsets = device<int32_t>(El + 1);
-    rd.rows = device<int32_t>(El);
-    rd.src_rank = device<int32_t>(cap);
-    rd.src_slot = device<int32_t>(cap);
-    rd.status = device<int32_t>(mok::cuda::kStatusWords);
-    rd.ws = device<uint8_t>(mok::cuda::schedule_workspace_bytes(shape));
-    rd.rstatus = device<mok::cuda::RoutingStatus>(1);
-    rd.counters = device<uint32_t>(mok::cuda::megakernel_counter_words(cap, c.minibatch_rows));
+    rd.buffers = std::make_unique<mok::cuda::FusedBuffers>(shape, H, I, c.minibatch_rows, c.ring_rows,
+                                                           /*keep_rows=*/false);
     CHECK_CUDA(cudaStreamCreateWithFlags(&rd.stream, cudaStreamNonBlocking));
   }
   mok::cuda::preload_kernels();  // before any rank's barrier spins
@@ -112,23 +102,11 @@ void run(const Shape& s) {
       a.w_gate = rd.wg;
       a.w_up = rd.wu;
       a.w_down = rd.wd;
-      a.expert_offsets = rd.offsets;
-      a.expert_rows = rd.rows;
-      a.src_rank = rd.src_rank;
-      a.src_slot = rd.src_slot;
-      a.row_capacity = cap;
-      a.schedule_workspace = rd.ws;
-      a.routing_status = rd.rstatus;
-      a.minibatch_rows = c.minibatch_rows;
-      a.ring_rows = c.ring_rows;
-      a.ring_x = rd.ring_x;
-      a.ring_h = rd.ring_h;
-      a.counters = rd.counters;
+      rd.buffers->wire(a);
       a.y = rd.y;
       a.epoch = epoch;
       a.comm_ctas = c.comm_sms;
       a.num_sms = ctas;
-      a.status = rd.status;
       mok::cuda::moe_forward(a, rd.stream);
     }
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
@@ -136,13 +114,15 @@ void run(const Shape& s) {
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
   const float t_fused = time_ms(fused, 10, /*warmup=*/2);
   int32_t words[4];
-  CHECK_CUDA(cudaMemcpy(words, ranks[0].status, 16, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), 16, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words, epoch);
 
   // The GEMMs alone on rank 0's rows (gathered once), with the same CTAs.
   RankData& r0 = ranks[0];
+  mok::cuda::MoeForwardArgs s0;  // rank 0's schedule, as its last fused call left it
+  r0.buffers->wire(s0);
   std::vector<int32_t> offsets(El + 1);
-  CHECK_CUDA(cudaMemcpy(offsets.data(), r0.offsets, (El + 1) * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(offsets.data(), s0.expert_offsets, (El + 1) * 4, cudaMemcpyDeviceToHost));
   const int64_t used = offsets[El];
   uint16_t* x_rows = device<uint16_t>(cap * H);
   uint16_t* h = device<uint16_t>(cap * I);
@@ -153,7 +133,7 @@ void run(const Shape& s) {
   mok::cuda::GatherArgs g;
   g.shape = shape;
   g.hidden = H;
-  g.schedule = {El, cap, r0.offsets, r0.src_rank, r0.src_slot};
+  g.schedule = {El, cap, s0.expert_offsets, s0.src_rank, s0.src_slot};
   g.x = x_table.data();
   g.rows = x_rows;
   mok::cuda::gather_rows(g, nullptr);
@@ -162,7 +142,7 @@ void run(const Shape& s) {
   e.hidden = H;
   e.intermediate = I;
   e.local_experts = El;
-  e.expert_offsets = r0.offsets;
+  e.expert_offsets = s0.expert_offsets;
   e.x = x_rows;
   e.w_gate = r0.wg;
   e.w_up = r0.wu;

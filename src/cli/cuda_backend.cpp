@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -311,7 +312,7 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
                    const std::vector<std::vector<float>>& staged_y, int64_t runs, CudaLayer& out) {
   const MoeDesc& d = in.desc;
   const int R = static_cast<int>(d.ranks);
-  const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk, El = d.local_experts();
+  const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
   int device = 0, sms = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
@@ -325,7 +326,6 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
     return;
   }
   const cuda::RoutingShape shape = routing_shape(d);
-  const int64_t cap = cuda::routed_row_capacity(shape);
   const SymmetricLayout layout = SymmetricLayout::make(T, H, k, d.ranks);
   MoeDesc planned = d;
   DeviceFacts facts = DeviceFacts::h200();
@@ -337,11 +337,9 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
                    std::to_string(comm) + " comm of " + std::to_string(ctas) + " CTAs per rank";
 
   struct FusedRank {
-    DeviceArray<uint8_t> symmetric, workspace;
-    DeviceArray<int32_t> offsets, rows, src_rank, src_slot, status;
-    DeviceArray<cuda::RoutingStatus> routing_status;
-    DeviceArray<uint16_t> ring_x, ring_h, y;
-    DeviceArray<uint32_t> counters;
+    DeviceArray<uint8_t> symmetric;
+    std::unique_ptr<cuda::FusedBuffers> buffers;
+    DeviceArray<uint16_t> y;
     cudaStream_t stream = nullptr;
     cudaEvent_t start = nullptr, stop = nullptr;
   };
@@ -360,19 +358,8 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
     check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.topk_w), b.topk_w.get(), size_t(T * k) * 4,
                      cudaMemcpyDeviceToDevice), "copy topk_w");
     bases.push_back(base);
-    f.workspace = DeviceArray<uint8_t>(static_cast<size_t>(cuda::schedule_workspace_bytes(shape)), "schedule workspace");
-    f.offsets = DeviceArray<int32_t>(static_cast<size_t>(El + 1), "offsets");
-    f.rows = DeviceArray<int32_t>(static_cast<size_t>(El), "rows");
-    f.src_rank = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_rank");
-    f.src_slot = DeviceArray<int32_t>(static_cast<size_t>(cap), "src_slot");
-    f.status = DeviceArray<int32_t>(cuda::kStatusWords, "status");
-    check(cudaMemset(f.status.get(), 0, cuda::kStatusWords * 4), "zero the status");
-    f.routing_status = DeviceArray<cuda::RoutingStatus>(1, "routing status");
-    check(cudaMemset(f.routing_status.get(), 0, sizeof(cuda::RoutingStatus)), "zero the routing status");
-    f.ring_x = DeviceArray<uint16_t>(static_cast<size_t>(ring * H), "ring x");
-    f.ring_h = DeviceArray<uint16_t>(static_cast<size_t>(ring * I), "ring h");
+    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/false);
     f.y = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused y");
-    f.counters = DeviceArray<uint32_t>(static_cast<size_t>(cuda::megakernel_counter_words(cap, minibatch)), "counters");
     check(cudaStreamCreateWithFlags(&f.stream, cudaStreamNonBlocking), "stream");
     check(cudaEventCreate(&f.start), "event");
     check(cudaEventCreate(&f.stop), "event");
@@ -403,25 +390,13 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
         a.w_gate = b.w_gate.get();
         a.w_up = b.w_up.get();
         a.w_down = b.w_down.get();
-        a.expert_offsets = f.offsets.get();
-        a.expert_rows = f.rows.get();
-        a.src_rank = f.src_rank.get();
-        a.src_slot = f.src_slot.get();
-        a.row_capacity = cap;
-        a.schedule_workspace = f.workspace.get();
-        a.routing_status = f.routing_status.get();
-        a.minibatch_rows = minibatch;
-        a.ring_rows = ring;
-        a.ring_x = f.ring_x.get();
-        a.ring_h = f.ring_h.get();
-        a.counters = f.counters.get();
+        f.buffers->wire(a);
         a.y_shared = d.has_shared() ? b.y_shared.get() : nullptr;
         a.y = f.y.get();
         a.epoch = static_cast<uint32_t>(run + 1);
         a.comm_ctas = comm;
         a.num_sms = ctas;
         a.swiglu_limit = d.swiglu_limit;
-        a.status = f.status.get();
         check(cudaEventRecord(f.start, f.stream), "event");
         cuda::moe_forward(a, f.stream);
         check(cudaEventRecord(f.stop, f.stream), "event");
@@ -437,7 +412,7 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
       for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
         int32_t words[4];
-        check(cudaMemcpy(words, f.status.get(), sizeof words, cudaMemcpyDeviceToHost), "read the status");
+        check(cudaMemcpy(words, f.buffers->status(), sizeof words, cudaMemcpyDeviceToHost), "read the status");
         const std::string why = cuda::describe_wait_status(words, static_cast<uint32_t>(run + 1));
         if (!why.empty()) out.fused_difference = why;
       }

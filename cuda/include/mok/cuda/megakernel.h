@@ -118,6 +118,50 @@ void moe_backward(const MoeBackwardArgs& args, cudaStream_t stream);
 
 int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 
+// The local buffers of one rank's fused forward in one zeroed device allocation (on the current
+// device): the schedule and its workspace, the status words, the ring and the counters; with
+// keep_rows also the backward's scratch. Inputs, outputs, g|u and the symmetric buffer stay the
+// caller's. Every user of moe_forward (the C API, the mok program, the GPU tests, the timing tool)
+// gets its buffers here.
+class FusedBuffers {
+ public:
+  FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
+               int64_t ring_rows, bool keep_rows);
+  ~FusedBuffers();
+  FusedBuffers(const FusedBuffers&) = delete;
+  FusedBuffers& operator=(const FusedBuffers&) = delete;
+
+  // Sets a's buffer fields and their sizes: the schedule, its workspace, the statuses, row
+  // capacity, minibatch and ring rows, the ring, the counters.
+  void wire(MoeForwardArgs& a) const;
+  // Sets b's scratch, statuses and row capacity, and the forward's schedule; x_rows and h too when
+  // the ring holds every row (ring_rows >= row capacity). Only with keep_rows.
+  void wire(MoeBackwardArgs& b) const;
+
+  int64_t bytes() const { return bytes_; }
+  int64_t row_capacity() const { return capacity_; }
+  int64_t ring_rows() const { return ring_rows_; }
+  void* ring_x() const { return at(o_.ring_x); }
+  void* ring_h() const { return at(o_.ring_h); }
+  int32_t* status() const { return static_cast<int32_t*>(at(o_.status)); }
+  RoutingStatus* routing_status() const { return static_cast<RoutingStatus*>(at(o_.routing_status)); }
+  int32_t* expert_offsets() const { return static_cast<int32_t*>(at(o_.offsets)); }
+  int32_t* experts_status() const { return keep_rows_ ? static_cast<int32_t*>(at(o_.experts_status)) : nullptr; }
+
+ private:
+  struct Offsets {
+    int64_t offsets, rows, src_rank, src_slot, workspace, routing_status, ring_x, ring_h, counters, status;
+    int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
+  };
+  void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }
+  RoutingShape shape_;
+  int64_t hidden_, intermediate_, minibatch_rows_, ring_rows_, capacity_, bytes_ = 0;
+  bool keep_rows_;
+  Offsets o_{};
+  void* memory_ = nullptr;
+  int device_ = 0;
+};
+
 // Loads every kernel moe_forward and moe_backward launch, on the current device. Both call it
 // before their first spinning kernel; one host thread that drives several GPUs should also call
 // it on every device before the first call on any (loading a module can synchronize, and a
