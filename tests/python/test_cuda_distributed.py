@@ -100,6 +100,30 @@ def check_case(case: td.Case, rank: int, size: int) -> None:
         assert torch.equal(ours[name], one[name][rank * El:(rank + 1) * El]), f"{where}: {name} differs from R=1"
 
 
+def check_non_finite_on_one_rank(rank: int, size: int) -> None:
+    """A NaN in rank 1's x is named by every rank's check(), and every rank's next call refuses to
+    run (no rank left waiting at a barrier); clearing the workspaces on every rank recovers."""
+    from mok import _cuda_layer
+
+    case = td.Case("nan_on_rank1", 64, 4, 256, 128, 2)
+    p = td.make_problem(case, size, seed=12)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    El = p.weights[0].shape[0] // size
+    weights = [t[rank * El:(rank + 1) * El].to(dev, torch.bfloat16).contiguous() for t in p.weights]
+    x = p.x[rank].to(dev).clone()
+    if rank == 1:
+        x[5, 7] = float("nan")
+    group = dist.group.WORLD
+    mok.clear_workspace_cache()
+    mok.moe(x, p.topk_idx[rank].to(dev), p.topk_w[rank].to(dev), *weights, group=group)
+    with pytest.raises(RuntimeError, match=r"x\[rank 1\]\[token 5\]\[7\] is not finite \(nan\)"):
+        _cuda_layer.check()
+    with pytest.raises(RuntimeError, match="an earlier call failed"):
+        mok.moe(p.x[rank].to(dev), p.topk_idx[rank].to(dev), p.topk_w[rank].to(dev), *weights, group=group)
+    mok.clear_workspace_cache()
+    dist.barrier()
+
+
 def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
     with td.rank_report(rank, result_dir):
         torch.cuda.set_device(rank)
@@ -107,6 +131,7 @@ def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
                                 timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
         for case in CASES:
             check_case(case, rank, size)
+        check_non_finite_on_one_rank(rank, size)
         dist.barrier()
 
 
