@@ -23,6 +23,7 @@ using host_util::check;
 using host_util::ceil_div;
 using host_util::device_sms;
 using host_util::store_target;
+using host_util::trimmed;
 
 template <class Mainloop, class Epilogue>
 void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num_sms, cudaStream_t stream) {
@@ -67,11 +68,6 @@ std::string common_checks(int64_t H, int64_t I, int64_t El, int64_t capacity, co
   if (capacity < 0 || capacity > (int64_t{1} << 30)) why << "row_capacity must be in [0, 2^30], got " << capacity << "; ";
   if (offsets == nullptr) why << "expert_offsets is null; ";
   return why.str();
-}
-
-std::string trimmed(std::string s) {
-  if (s.size() >= 2) s.resize(s.size() - 2);
-  return s;
 }
 
 }  // namespace

@@ -231,9 +231,7 @@ std::string can_implement(const MoeForwardArgs& a) {
     why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
         << "; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  std::string out = why.str();
-  if (out.size() >= 2) out.resize(out.size() - 2);
-  return out;
+  return host_util::trimmed(why.str());
 }
 
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
@@ -382,9 +380,7 @@ std::string can_implement(const MoeBackwardArgs& a) {
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
     why << "scratch, outputs, schedule and status pointers must be set; ";
-  std::string out = why.str();
-  if (out.size() >= 2) out.resize(out.size() - 2);
-  return out;
+  return host_util::trimmed(why.str());
 }
 
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
