@@ -238,17 +238,14 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     h->config = mok::plan(d, facts, o);
     const mok::MoeConfig& c = h->config;
     mok::cuda::MoeForwardArgs& a = h->args;
-    a.shape = {ranks, tokens, topk, num_experts};
     a.rank = rank;
-    a.hidden = hidden;
-    a.intermediate = intermediate;
-    a.layout = mok::SymmetricLayout::make(tokens, hidden, topk, ranks);
     h->keeps_rows = keep_rows != 0;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
     a.timeout_s = timeout_s;
-    h->buffers = std::make_unique<mok::cuda::FusedBuffers>(a.shape, hidden, intermediate, c.minibatch_rows, c.ring_rows,
+    h->buffers = std::make_unique<mok::cuda::FusedBuffers>(mok::cuda::RoutingShape{ranks, tokens, topk, num_experts},
+                                                           hidden, intermediate, c.minibatch_rows, c.ring_rows,
                                                            h->keeps_rows);
     h->buffers->wire(a);
     const int64_t cap = a.row_capacity;
@@ -259,11 +256,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.epoch = 0;
     if (h->keeps_rows) {
       mok::cuda::MoeBackwardArgs& b = h->backward;
-      b.shape = a.shape;
       b.rank = rank;
-      b.hidden = hidden;
-      b.intermediate = intermediate;
-      b.layout = a.layout;
       h->buffers->wire(b);
       b.swiglu_limit = a.swiglu_limit;
       b.timeout_s = timeout_s;

@@ -152,6 +152,10 @@ FusedBuffers::~FusedBuffers() {
 }
 
 void FusedBuffers::wire(MoeForwardArgs& a) const {
+  a.shape = shape_;
+  a.hidden = hidden_;
+  a.intermediate = intermediate_;
+  a.layout = SymmetricLayout::make(shape_.tokens_per_rank, hidden_, shape_.topk, shape_.ranks);
   a.expert_offsets = static_cast<int32_t*>(at(o_.offsets));
   a.expert_rows = static_cast<int32_t*>(at(o_.rows));
   a.src_rank = static_cast<int32_t*>(at(o_.src_rank));
@@ -169,6 +173,10 @@ void FusedBuffers::wire(MoeForwardArgs& a) const {
 
 void FusedBuffers::wire(MoeBackwardArgs& b) const {
   if (!keep_rows_) throw std::invalid_argument("mok FusedBuffers: the backward's scratch needs keep_rows");
+  b.shape = shape_;
+  b.hidden = hidden_;
+  b.intermediate = intermediate_;
+  b.layout = SymmetricLayout::make(shape_.tokens_per_rank, hidden_, shape_.topk, shape_.ranks);
   b.expert_offsets = expert_offsets();
   b.src_rank = static_cast<const int32_t*>(at(o_.src_rank));
   b.src_slot = static_cast<const int32_t*>(at(o_.src_slot));

@@ -159,16 +159,12 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       Rank& rk = ranks[r];
       cudaSetDevice(rk.device);
       cuda::MoeForwardArgs a;
-      a.shape = shape;
       a.rank = r;
-      a.hidden = H;
-      a.intermediate = I;
-      a.layout = layout;
       a.bases = bases.data();
       a.w_gate = rk.w_gate->ptr;
       a.w_up = rk.w_up->ptr;
       a.w_down = rk.w_down->ptr;
-      rk.buffers->wire(a);
+      rk.buffers->wire(a);  // shape, schedule, ring, counters, statuses
       a.gu = rk.gu->ptr;
       a.y = rk.y->ptr;
       a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
@@ -187,11 +183,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       Rank& rk = ranks[r];
       cudaSetDevice(rk.device);
       cuda::MoeBackwardArgs b;
-      b.shape = shape;
       b.rank = r;
-      b.hidden = H;
-      b.intermediate = I;
-      b.layout = layout;
       b.bases = bases.data();
       b.w_gate = rk.w_gate->ptr;
       b.w_up = rk.w_up->ptr;

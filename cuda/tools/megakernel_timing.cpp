@@ -93,11 +93,7 @@ void run(const Shape& s) {
     for (int r = 0; r < R; ++r) {
       RankData& rd = ranks[r];
       mok::cuda::MoeForwardArgs a;
-      a.shape = shape;
       a.rank = r;
-      a.hidden = H;
-      a.intermediate = I;
-      a.layout = layout;
       a.bases = bases.data();
       a.w_gate = rd.wg;
       a.w_up = rd.wu;

@@ -381,11 +381,7 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
         const RankBuffers& b = ranks[static_cast<size_t>(r)];
         check(cudaMemsetAsync(f.y.get(), 0xff, f.y.bytes(), f.stream), "poison fused y");
         cuda::MoeForwardArgs a;
-        a.shape = shape;
         a.rank = r;
-        a.hidden = H;
-        a.intermediate = I;
-        a.layout = layout;
         a.bases = bases.data();
         a.w_gate = b.w_gate.get();
         a.w_up = b.w_up.get();

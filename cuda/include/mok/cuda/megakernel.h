@@ -131,11 +131,13 @@ class FusedBuffers {
   FusedBuffers(const FusedBuffers&) = delete;
   FusedBuffers& operator=(const FusedBuffers&) = delete;
 
-  // Sets a's buffer fields and their sizes: the schedule, its workspace, the statuses, row
-  // capacity, minibatch and ring rows, the ring, the counters.
+  // Sets a's shape (shape, hidden, intermediate, the symmetric layout: what the buffers were sized
+  // for), its buffer fields and their sizes: the schedule, its workspace, the statuses, row
+  // capacity, minibatch and ring rows, the ring, the counters. The caller sets the rank, bases,
+  // weights, outputs and options.
   void wire(MoeForwardArgs& a) const;
-  // Sets b's scratch, statuses and row capacity, and the forward's schedule; x_rows and h too when
-  // the ring holds every row (ring_rows >= row capacity). Only with keep_rows.
+  // Sets b's shape as above, its scratch, statuses and row capacity, and the forward's schedule;
+  // x_rows and h too when the ring holds every row (ring_rows >= row capacity). Only with keep_rows.
   void wire(MoeBackwardArgs& b) const;
 
   int64_t bytes() const { return bytes_; }
