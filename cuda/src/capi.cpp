@@ -96,6 +96,23 @@ void refresh_mirror(const ForwardHandle& h, cudaStream_t stream) {
     cudaMemcpyAsync(&h.mirror->non_finite, key, sizeof h.mirror->non_finite, cudaMemcpyDeviceToHost, stream);
 }
 
+// The rank bases of one call as pointers (the kernels' table), remembered as this rank's own.
+void bind_bases(ForwardHandle& h, const int64_t* bases, void* (&table)[mok::cuda::kMaxRanks]) {
+  for (int64_t r = 0; r < h.args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
+  h.own_base = table[h.args.rank];
+}
+
+// One call in the sequence every rank counts (forward and backward share it): refuses to run after
+// a failed call, runs with the next epoch, counts it, and queues the status copies.
+template <class Args, class Launch>
+void run_in_sequence(ForwardHandle& h, Args& args, Launch launch, void* stream) {
+  raise_earlier_failure(h);
+  args.epoch = h.args.epoch + 1;
+  launch(args, static_cast<cudaStream_t>(stream));  // checks everything before it launches
+  h.args.epoch = args.epoch;
+  refresh_mirror(h, static_cast<cudaStream_t>(stream));
+}
+
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -304,10 +321,9 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     auto* h = static_cast<ForwardHandle*>(handle);
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
-    for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
+    bind_bases(*h, bases, table);
     mok::cuda::MoeForwardArgs a = h->args;
     a.bases = table;
-    h->own_base = table[h->args.rank];
     a.w_gate = w_gate;
     a.w_up = w_up;
     a.w_down = w_down;
@@ -322,11 +338,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
       a.src_rank = static_cast<int32_t*>(c.src_rank);
       a.src_slot = static_cast<int32_t*>(c.src_slot);
     }
-    raise_earlier_failure(*h);
-    a.epoch = h->args.epoch + 1;
-    mok::cuda::moe_forward(a, static_cast<cudaStream_t>(stream));  // checks everything before it launches
-    h->args.epoch = a.epoch;  // one more call in the sequence every rank counts
-    refresh_mirror(*h, static_cast<cudaStream_t>(stream));
+    run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1
     write_error(e, error, error_len);
@@ -349,10 +361,9 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     if (!use_context(*h, c)) throw std::invalid_argument("the backward needs the context its forward kept");
     void* table[mok::cuda::kMaxRanks];
-    for (int64_t r = 0; r < h->args.shape.ranks; ++r) table[r] = reinterpret_cast<void*>(bases[r]);
+    bind_bases(*h, bases, table);
     mok::cuda::MoeBackwardArgs b = h->backward;
     b.bases = table;
-    h->own_base = table[h->args.rank];
     b.w_gate = w_gate;
     b.w_up = w_up;
     b.w_down = w_down;
@@ -368,11 +379,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.expert_offsets = static_cast<const int32_t*>(c.offsets);
     b.src_rank = static_cast<const int32_t*>(c.src_rank);
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
-    raise_earlier_failure(*h);
-    b.epoch = h->args.epoch + 1;  // one sequence for forward and backward calls
-    mok::cuda::moe_backward(b, static_cast<cudaStream_t>(stream));  // checks everything before it launches
-    h->args.epoch = b.epoch;
-    refresh_mirror(*h, static_cast<cudaStream_t>(stream));
+    run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1
     write_error(e, error, error_len);
