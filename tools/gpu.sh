@@ -5,7 +5,7 @@
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
-# Steps: build (MOK_BUILD_TARGETS: only those), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
+# Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
 set -uo pipefail
@@ -18,7 +18,7 @@ LOGS="$(mktemp -d /tmp/mok-gpu.XXXX)"
 mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-BUILD="$ROOT/build-gpu"
+BUILD="${MOK_BUILD_DIR:-$ROOT/build-gpu}"
 STEPS="${MOK_GPU_STEPS:-build sass tests sanitize bench_experts}"
 COMMIT="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export MOK_COMMIT="$COMMIT" MOK_CUDA_LIB="$BUILD/cuda/libmok_cuda_capi.so"
@@ -51,7 +51,8 @@ if has build; then
   gtest_args=()
   [ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DGTEST_ROOT="$ROOT/.deps/gtest")
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON \
-       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" "${gtest_args[@]}" > "$LOGS/build.log" 2>&1 &&
+       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" "${gtest_args[@]}" \
+       ${MOK_CUDA_FLAGS:+-DCMAKE_CUDA_FLAGS="$MOK_CUDA_FLAGS"} > "$LOGS/build.log" 2>&1 &&
      cmake --build "$BUILD" -j "$(nproc)" ${MOK_BUILD_TARGETS:+--target $MOK_BUILD_TARGETS} >> "$LOGS/build.log" 2>&1; then
     log "build ok"
   else
