@@ -22,14 +22,17 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
-// A development switch for an A/B on the GPU (detail::dispatch_role_bulk): set
-// MOK_EXPERIMENT_DISPATCH=bulk. Outputs are the same either way; only how rows reach the ring.
-bool experiment_bulk_dispatch() {
-  static const bool bulk = [] {
+// A development switch for an A/B on the GPU: MOK_EXPERIMENT_DISPATCH=interleaved makes the pulls
+// tasks of the compute CTAs (no comm CTAs), MOK_EXPERIMENT_LOOKAHEAD (default 1) minibatches ahead
+// of their GEMMs. Outputs are the same either way; only how rows reach the ring. -1: comm CTAs.
+int experiment_dispatch_lookahead() {
+  static const int lookahead = [] {
     const char* e = std::getenv("MOK_EXPERIMENT_DISPATCH");
-    return e != nullptr && std::string(e) == "bulk";
+    if (e == nullptr || std::string(e) != "interleaved") return -1;
+    const char* l = std::getenv("MOK_EXPERIMENT_LOOKAHEAD");
+    return l != nullptr ? std::max(0, std::atoi(l)) : 1;
   }();
-  return bulk;
+  return lookahead;
 }
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
@@ -40,10 +43,10 @@ void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, un
 struct CounterLayout {
   int64_t minibatches, row_blocks;
   int64_t x_ready() const { return 0; }
-  int64_t y_done() const { return minibatches; }
-  int64_t h_ready() const { return 2 * minibatches; }
-  int64_t done_ctas() const { return 2 * minibatches + row_blocks; }
-  int64_t words() const { return 2 * minibatches + row_blocks + 1; }
+  int64_t y_done() const { return row_blocks; }
+  int64_t h_ready() const { return row_blocks + minibatches; }
+  int64_t done_ctas() const { return 2 * row_blocks + minibatches; }
+  int64_t words() const { return 2 * row_blocks + minibatches + 1; }
 };
 
 CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
@@ -260,7 +263,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // the other ranks waiting for this one's pushes.
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);
-  const int comm = a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
+  const int lookahead = experiment_dispatch_lookahead();
+  const int comm = lookahead >= 0 ? 0 : a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
   if (sms > device_sms)
     throw std::invalid_argument("mok moe_forward: num_sms " + std::to_string(sms) + " exceeds the device's " +
                                 std::to_string(device_sms) + " SMs (one resident CTA per SM)");
@@ -349,13 +353,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
-  // Bulk dispatch slots: whole rows (16-byte multiples) in the comm CTAs' shared memory, after 1 KiB
-  // of mbarriers; at least two, or the warp copies.
-  p.slot_bytes = int((H * 2 + 127) / 128 * 128);
-  p.bulk_slots = experiment_bulk_dispatch()
-                     ? int(std::min<int64_t>(detail::kMaxBulkSlots, (smem - 1024) / p.slot_bytes))
-                     : 0;
-  if (p.bulk_slots < 2) p.bulk_slots = 0;
+  // The pulls lead their GEMMs by fewer minibatches than the ring has slots (MegaTasks: else a
+  // pull would wait for down tiles after it in the order).
+  p.dispatch_lookahead = lookahead < 0 ? -1 : int(std::min<int64_t>(lookahead, ring / a.minibatch_rows - 1));
   p.epoch = a.epoch;
   p.status = status;
   for (int s = 0; s < R; ++s) {
@@ -504,7 +504,7 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
       break;
     case detail::kWaitRows:
       out << "rank " << rank << " timed out waiting for the dispatch of minibatch " << where << " (" << seen
-          << " comm CTAs done)";
+          << " pulls of a row block done)";
       break;
     case detail::kWaitHidden:
       out << "rank " << rank << " timed out waiting for the gate/up tiles of row block " << where << " (" << seen
@@ -517,10 +517,6 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
     case detail::kWaitGrads:
       out << "rank " << rank << " timed out waiting for rank " << where
           << " to push its dx and d topk_w rows (saw epoch " << seen << ", wanted " << epoch << ")";
-      break;
-    case detail::kWaitBulkRow:
-      out << "rank " << rank << " timed out waiting for the bulk copy of schedule row " << where
-          << " from its source rank (dispatch)";
       break;
     case detail::kWaitCombine:
       out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "

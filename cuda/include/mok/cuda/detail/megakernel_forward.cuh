@@ -2,13 +2,15 @@
 // the ring), gate/up + SwiGLU, down, and the combine push of each output row into its (token, j)
 // slot on the source rank, in one persistent launch (megakernel.h has the protocol around it).
 //
-// Roles by CTA: the first comm_ctas CTAs pull rows; the others compute tasks in one fixed order:
-// minibatch by minibatch, its gate/up tiles, then its down tiles. Minibatch b is rows
-// [b*M, (b+1)*M) of the rank's schedule (M a multiple of 128, so no tile crosses a minibatch or an
-// expert) and lives in ring slot b % S. Tasks wait on counters, never on CTAs:
-//   gate/up tile of b      waits x_ready[b]  == comm_ctas      (every comm CTA pulled its rows of b)
-//   down tile of row block waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
-//   dispatch of b (b >= S) waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
+// Roles by CTA: the first comm_ctas CTAs pull rows (none when the pulls are tasks, below); the
+// others compute tasks in one fixed order (MegaTasks): minibatch by minibatch, its gate/up tiles,
+// then its down tiles, with the pull of each row block as a task of its own one group ahead when
+// comm_ctas is 0. Minibatch b is rows [b*M, (b+1)*M) of the rank's schedule (M a multiple of 128,
+// so no tile crosses a minibatch or an expert) and lives in ring slot b % S. Tasks wait on
+// counters, never on CTAs:
+//   gate/up tile of row block waits x_ready[rb] == comm_ctas, or 1 (its rows are in the ring)
+//   down tile of row block    waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
+//   dispatch of b (b >= S)    waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
 // A task's inputs come only from earlier tasks, and every CTA takes its tasks in increasing order,
 // so the lowest unfinished task can always run: no deadlock for any skew, ring or minibatch size.
 // Each output tile is computed by one CTA with the expert kernels' k order, so which CTA takes it
@@ -73,7 +75,6 @@ enum WaitCode : int32_t {
   kWaitBarrier = 19,     // the start barrier waited for rank `where`
   kWaitCombine = 20,     // the combine waited for rank `where`'s pushes
   kWaitGrads = 21,       // the backward waited for rank `where`'s dx and d topk_w pushes
-  kWaitBulkRow = 22,     // a bulk copy of row `where` (dispatch_role_bulk) did not complete
 };
 
 // The first wait of a call to give up records why in the status words (the others see it and
@@ -116,20 +117,17 @@ struct MegaForwardParams {
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
-  int32_t comm_ctas;
+  int32_t comm_ctas;                 // CTAs that only pull rows (0: the compute CTAs pull them)
+  int32_t dispatch_lookahead;        // -1 with comm CTAs; else how many minibatches the pulls lead
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
   const int32_t* src_slot;
   uint4* ring_x;                     // [ring_rows, H]
-  uint32_t* x_ready;                 // [max minibatches]
+  uint32_t* x_ready;                 // [row_capacity / 128]
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
-  // Dispatch with the TMA engine (dispatch_role_bulk) instead of warp copies: bulk_slots slots of
-  // slot_bytes in the comm CTAs' shared memory; 0 slots = warp copies. An experiment until measured
-  // on a GPU (MOK_EXPERIMENT_DISPATCH=bulk, megakernel.cu).
-  int32_t bulk_slots, slot_bytes;
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -145,14 +143,22 @@ __device__ __forceinline__ int scheduled_rows(const MegaForwardParams& p) {
 }
 
 struct MegaTask {
-  bool second;  // the second GEMM of the minibatch (forward: down)
+  bool dispatch;  // a dispatch task: pull the rows of row_block into the ring (no GEMM)
+  bool second;    // the second GEMM of the minibatch (forward: down)
   int minibatch;
   int row_block;  // global row block of the schedule
   GroupedTile tile;
 };
 
 // The task order of a two-GEMM pass (forward: gate/up then down; backward: dgrad of down then of
-// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second.
+// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second and
+// dispatch_lookahead.
+//
+// Group g of the order holds the dispatch tasks of minibatch g (one per row block; only when
+// dispatch_lookahead >= 0, else comm CTAs pull the rows), then the GEMM tasks of minibatch
+// g - L (L = max(dispatch_lookahead, 0)): the rows of a minibatch are pulled one group before its
+// GEMMs need them. With L < S (ring slots), the down tiles that free the slot a dispatch task
+// overwrites come earlier in the order, so every task still depends only on earlier ones.
 template <class Params>
 struct MegaTasks {
   const Params& p;
@@ -160,20 +166,53 @@ struct MegaTasks {
 
   __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
   __device__ int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
+  __device__ int minibatches() const { return (row_blocks() + mb_blocks() - 1) / mb_blocks(); }
   __device__ int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
-  __device__ int total() const {
+  __device__ bool dispatches() const { return p.dispatch_lookahead >= 0; }
+  __device__ int lookahead() const { return max(p.dispatch_lookahead, 0); }
+  __device__ int groups() const { return minibatches() == 0 ? 0 : minibatches() + lookahead(); }
+  // The tasks before group g.
+  __device__ int before(int g) const {
     const int rb = row_blocks(), mb = mb_blocks();
-    if (rb == 0) return 0;
-    const int full = (rb - 1) / mb;  // minibatches before the last
-    return full * mb * (p.n_first + p.n_second) + (rb - full * mb) * (p.n_first + p.n_second);
+    const int gemms = min(max(g - lookahead(), 0) * mb, rb) * (p.n_first + p.n_second);
+    return dispatches() ? gemms + min(g * mb, rb) : gemms;
   }
+  __device__ int total() const { return before(groups()); }
 
-  __device__ MegaTask at(int linear) const {
+  // The group of task `linear` (the last one starting at or before it), in closed form: only the
+  // last minibatch can be short, so groups come in three runs of equal sizes: pulls only (g < L),
+  // pulls and GEMMs (L <= g < nb), GEMMs only (g >= nb).
+  __device__ int group_of(int linear) const {
+    const int mb = mb_blocks(), nb = minibatches(), L = lookahead(), gemms = p.n_first + p.n_second;
+    if (!dispatches()) return min(linear / (gemms * mb), nb - 1);
+    const int pulls_only = min(L, nb);
+    if (linear < before(pulls_only)) return min(linear / mb, pulls_only - 1);
+    if (L < nb) {
+      if (linear < before(nb - 1)) return (linear / mb + gemms * L) / (1 + gemms);
+      if (linear < before(nb)) return nb - 1;
+    }
+    const int first = max(L, nb);
+    return min(first + (linear - before(first)) / (gemms * mb), nb + L - 1);
+  }
+  __device__ MegaTask at(int linear) const { return at(linear, group_of(linear)); }
+  // Task `linear` of group g (group_of(linear): callers that keep it skip the search).
+  __device__ MegaTask at(int linear, int g) const {
     const int mb = mb_blocks();
-    const int b = linear / (mb * (p.n_first + p.n_second));
-    const int rbs = blocks_of(b);
-    int local = linear - b * mb * (p.n_first + p.n_second);
+    int local = linear - before(g);
+    const int slots = p.ring_rows / p.mb_rows;
     MegaTask task;
+    const int pulls = dispatches() && g < minibatches() ? blocks_of(g) : 0;
+    task.dispatch = local < pulls;
+    if (task.dispatch) {
+      task.second = false;
+      task.minibatch = g;
+      task.row_block = g * mb + local;
+      task.tile.m_block = (g % slots) * mb + local;  // the ring's row block
+      return task;
+    }
+    local -= pulls;
+    const int b = g - lookahead();
+    const int rbs = blocks_of(b);
     task.second = local >= rbs * p.n_first;
     if (task.second) local -= rbs * p.n_first;
     const int n_blocks = task.second ? p.n_second : p.n_first;
@@ -195,7 +234,6 @@ struct MegaTasks {
         hi = mid - 1;
       }
     }
-    const int slots = p.ring_rows / p.mb_rows;
     task.tile.expert = lo;
     task.tile.m_block = (b % slots) * mb + rb_local;  // the ring's row block
     task.tile.save_m_block = task.row_block;
@@ -219,7 +257,7 @@ __device__ __forceinline__ const uint4* source_row(const MegaForwardParams& p, i
 
 // The comm CTAs' loop, whatever moves the rows: for each minibatch b, wait until its ring slot is
 // free, let move_rows(row0, row1, ring rows of b) write this CTA's rows of [row0, row1) into the
-// slot (every thread of the CTA calls it), then count the CTA in x_ready[b].
+// slot (every thread of the CTA calls it), then count the CTA in x_ready of each row block of b.
 template <class MoveRows>
 __device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_rows) {
   const int used = scheduled_rows(p);
@@ -243,7 +281,7 @@ __device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_r
     if (threadIdx.x == 0) {
       __threadfence();
       fence_proxy_async();  // the gate/up tiles read them with TMA
-      add_release_gpu(&p.x_ready[b], 1);
+      for (int rb = b * mb; rb < min((b + 1) * mb, row_blocks); ++rb) add_release_gpu(&p.x_ready[rb], 1);
     }
   }
 }
@@ -277,105 +315,51 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
   });
 }
 
-// ---- dispatch with the TMA engine: one thread per comm CTA moves whole rows ----
-inline constexpr int kMaxBulkSlots = 16;
-static_assert(kMaxBulkSlots * sizeof(uint64_t) <= 1024, "the slots' mbarriers fit before the slots");
-// A bulk copy brings a row from its source rank's x into a shared slot (completing on the slot's
-// mbarrier); a bulk store then writes the slot into the ring row. With n slots, up to n - 1 peer
-// reads are in flight per CTA and no warp waits on one, so fewer comm CTAs might carry the pull
-// (to be measured against dispatch_role's warp copies). Padding rows are zero-filled by the
-// CTA's threads with plain stores.
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
-  const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst), b = cute::cast_smem_ptr_to_uint(bar);
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(gmem_src), "r"(bytes), "r"(b)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
-               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Waits for the phase of `bar` with this parity to complete (a bulk copy's bytes have all landed);
-// false when it gave up (timed out: code kWaitBulkRow for row `where`, or another wait did).
-__device__ bool mbarrier_wait(uint64_t* bar, uint32_t parity, const WaitStatus& s, int32_t where) {
-  const uint32_t b = cute::cast_smem_ptr_to_uint(bar);
-  const uint64_t start = global_ns();
-  for (;;) {
-    uint32_t done = 0;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(b), "r"(parity)
-        : "memory");
-    if (done) return true;
-    if (waits_abandoned(s)) return false;
-    if (global_ns() - start > s.timeout_ns) {
-      record_give_up(s, kWaitBulkRow, where, 0);
-      return false;
+// Interleaved dispatch (dispatch_lookahead >= 0): a compute CTA's consumer threads run a dispatch
+// task: wait until the ring slot is free, copy the 128 schedule rows of the row block into it
+// (the rows flattened into 16-byte pieces, kInFlight loads in flight per thread, so short rows
+// keep as many bytes in flight as long ones), then count it in x_ready[row block].
+__device__ void dispatch_row_block(const MegaForwardParams& p, const MegaTask& task, int thread) {
+  constexpr int kThreads = 256, kInFlight = 16;
+  const int slots = p.ring_rows / p.mb_rows;
+  if (task.minibatch >= slots) {
+    if (thread == 0) {
+      const int prev = task.minibatch - slots, mb = p.mb_rows / GemmConfig::kBlockM;
+      const int row_blocks = scheduled_rows(p) / GemmConfig::kBlockM;
+      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
+      wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
+      fence_proxy_async();  // the slot's last readers were TMA loads
+    }
+    consumers_sync();
+  }
+  const int row0 = task.row_block * GemmConfig::kBlockM, rv = p.row_vectors;
+  const int items = GemmConfig::kBlockM * rv;
+  uint4* dst = p.ring_x + int64_t(task.tile.m_block) * GemmConfig::kBlockM * rv;
+  // Piece j is (row, col) = (j / rv, j % rv), stepped without a division (whose reciprocal the
+  // compiler would keep in a register over the whole task loop, mainloop included).
+  int row = 0, col = thread;
+  while (col >= rv) col -= rv, ++row;
+  for (int j0 = thread; j0 < items; j0 += kThreads * kInFlight) {
+    uint4 part[kInFlight];
+    CUTE_UNROLL
+    for (int u = 0; u < kInFlight; ++u) {
+      part[u] = make_uint4(0, 0, 0, 0);  // padding rows are zeros
+      if (row < GemmConfig::kBlockM && is_token_row(p, row0 + row)) part[u] = source_row(p, row0 + row)[col];
+      col += kThreads;
+      while (col >= rv) col -= rv, ++row;
+    }
+    CUTE_UNROLL
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = j0 + u * kThreads;
+      if (j < items) dst[j] = part[u];
     }
   }
-}
-
-__device__ void dispatch_role_bulk(const MegaForwardParams& p, char* smem) {
-  const int n = p.bulk_slots;
-  const uint32_t row_bytes = uint32_t(p.row_vectors) * 16u;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);  // n mbarriers, then the slots from byte 1024
-  char* slot_base = smem + 1024;
-  const bool leader = threadIdx.x == 0;
-  if (leader) {
-    for (int i = 0; i < n; ++i) {
-      const uint32_t b = cute::cast_smem_ptr_to_uint(&bars[i]);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  consumers_sync();  // the row block is written
+  if (thread == 0) {
+    __threadfence();
+    fence_proxy_async();  // the gate/up tiles read it with TMA
+    add_release_gpu(&p.x_ready[task.row_block], 1);
   }
-  __syncthreads();
-  uint32_t parity = 0;  // bit i: the phase parity slot i waits for next (the leader's)
-  dispatch_minibatches(p, [&](int row0, int row1, uint4* ring) {
-    auto row_of = [&](int i) { return row0 + int(blockIdx.x) + i * p.comm_ctas; };  // the CTA's i-th row
-    for (int i = 0; row_of(i) < row1; ++i) {  // padding rows: zeros from every thread
-      if (is_token_row(p, row_of(i))) continue;
-      uint4* dst = ring + int64_t(row_of(i) - row0) * p.row_vectors;
-      for (int v = threadIdx.x; v < p.row_vectors; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-    }
-    if (!leader) return;
-    // Token rows in order; the j-th uses slot j % n. Loads run up to n - 1 ahead of the stores,
-    // and a load reuses a slot only after the store that last read it has (bulk groups complete
-    // in order: wait_group.read 1 leaves only the newest store pending). Two cursors over the
-    // CTA's rows skip the padding rows: the next row to load and the next to store.
-    auto skip_padding = [&](int i) {
-      while (row_of(i) < row1 && !is_token_row(p, row_of(i))) ++i;
-      return i;
-    };
-    int next_load = skip_padding(0), next_store = next_load;
-    int loads = 0, stores = 0;
-    auto load = [&]() {
-      bulk_load(slot_base + size_t(loads % n) * p.slot_bytes, source_row(p, row_of(next_load)), row_bytes,
-                &bars[loads % n]);
-      next_load = skip_padding(next_load + 1);
-      ++loads;
-    };
-    while (loads - stores < n - 1 && row_of(next_load) < row1) load();
-    while (stores < loads) {
-      const int slot = stores % n;
-      // A load that never completes: the status names the row, and the phase is left as it is
-      // (the call's results are garbage from here; the other waits give up at once).
-      if (!mbarrier_wait(&bars[slot], (parity >> slot) & 1u, p.status, row_of(next_store))) break;
-      parity ^= 1u << slot;
-      bulk_store(ring + int64_t(row_of(next_store) - row0) * p.row_vectors, slot_base + size_t(slot) * p.slot_bytes,
-                 row_bytes);
-      next_store = skip_padding(next_store + 1);
-      ++stores;
-      if (row_of(next_load) < row1) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-        load();
-      }
-    }
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the ring rows are written
-  });
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
@@ -436,11 +420,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   constexpr int kStages = GemmConfig::kStages;
   extern __shared__ __align__(1024) char smem_raw[];
   if (int(blockIdx.x) < p.comm_ctas) {
-    if (p.bulk_slots > 1) {
-      dispatch_role_bulk(p, smem_raw);
-    } else {
-      dispatch_role(p);
-    }
+    dispatch_role(p);
     return;
   }
   using SharedStorage = GroupedGemmSharedStorage<ForwardMainloop::Element>;
@@ -466,19 +446,22 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
 
+  // The loops read the task count from shared memory on every turn (tasks.total()) instead of
+  // keeping it: one register less over the mainloop, which holds 128 for the accumulator.
   const MegaTasks<MegaForwardParams> tasks{p, smem.tiles};
-  const int total = tasks.total();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = cta; linear < total; linear += ctas) {
+      for (int linear = cta; linear < tasks.total(); linear += ctas) {
         const MegaTask task = tasks.at(linear);
+        if (task.dispatch) continue;  // the consumers copy rows; nothing to load
         if (task.second) {
           wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, kWaitHidden, task.row_block);
         } else {
-          wait_at_least<false>(&p.x_ready[task.minibatch], uint32_t(p.comm_ctas), p.status, kWaitRows, task.minibatch);
+          wait_at_least<false>(&p.x_ready[task.row_block], uint32_t(max(p.comm_ctas, 1)), p.status, kWaitRows,
+                               task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
         const ForwardMainloop::Params& load = task.second ? p.down_load : p.gu_load;
@@ -505,10 +488,21 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
-    for (int linear = cta; linear < total; linear += ctas) {
+    for (int linear = cta; linear < tasks.total(); linear += ctas) {
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
-      const int k_blocks = tasks.at(linear).tile.k_end;
+      int k_blocks;
+      {
+        const MegaTask head = tasks.at(linear);
+        if (head.dispatch) {
+          dispatch_row_block(p, head, consumer_thread);
+          continue;
+        }
+        k_blocks = head.tile.k_end;
+      }
+      // The accumulator starts from zeros, not from the last tile's values: so it is dead from the
+      // epilogue to here, and a dispatch task has the registers for its loads in flight.
+      clear(acc);
       mma.accumulate_ = GMMA::ScaleOut::Zero;
       warpgroup_fence_operand(acc);
       for (int kb = 0; kb < k_blocks; ++kb) {
