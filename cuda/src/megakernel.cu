@@ -35,6 +35,16 @@ int experiment_dispatch_lookahead() {
   return lookahead;
 }
 
+// MOK_EXPERIMENT_SCHEDULE=dynamic: the megakernel's CTAs take tasks of the fixed order from a
+// counter instead of round robin (the same tiles and bits either way).
+bool experiment_dynamic_tasks() {
+  static const bool dynamic = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_SCHEDULE");
+    return e != nullptr && std::string(e) == "dynamic";
+  }();
+  return dynamic;
+}
+
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
 void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
   for (int s = 0; s < ranks; ++s) keys[s] = SymmetricLayout::at<unsigned long long>(bases[s], l.status());
@@ -46,7 +56,8 @@ struct CounterLayout {
   int64_t y_done() const { return row_blocks; }
   int64_t h_ready() const { return row_blocks + minibatches; }
   int64_t done_ctas() const { return 2 * row_blocks + minibatches; }
-  int64_t words() const { return 2 * row_blocks + minibatches + 1; }
+  int64_t next_task() const { return 2 * row_blocks + minibatches + 1; }
+  int64_t words() const { return 2 * row_blocks + minibatches + 2; }
 };
 
 CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
@@ -353,6 +364,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
+  p.next_task = a.counters + counters.next_task();
+  p.dynamic_tasks = experiment_dynamic_tasks() ? 1 : 0;
   // The pulls lead their GEMMs by fewer minibatches than the ring has slots (MegaTasks: else a
   // pull would wait for down tiles after it in the order).
   p.dispatch_lookahead = lookahead < 0 ? -1 : int(std::min<int64_t>(lookahead, ring / a.minibatch_rows - 1));

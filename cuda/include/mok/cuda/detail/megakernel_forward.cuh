@@ -128,6 +128,8 @@ struct MegaForwardParams {
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
+  uint32_t* next_task;               // [1] the next task of the order to take (dynamic_tasks)
+  int32_t dynamic_tasks;             // 1: CTAs take tasks from next_task; 0: CTA c takes c, c + n, ...
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -444,6 +446,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
   Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
+  TaskQueue& queue = smem.queue;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < TaskQueue::kDepth; ++i) {
+      queue.full[i].init(1);
+      queue.empty[i].init(TaskQueue::kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
   __syncthreads();
 
   // The loops read the task count from shared memory on every turn (tasks.total()) instead of
@@ -454,7 +464,16 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = cta; linear < tasks.total(); linear += ctas) {
+      for (int turn = 0;; ++turn) {
+        int linear = cta + turn * ctas;
+        if (p.dynamic_tasks) {  // take the next task of the order and hand it to the consumers
+          const int slot = turn % TaskQueue::kDepth;
+          queue.empty[slot].wait(((turn / TaskQueue::kDepth) & 1) ^ 1);
+          linear = int(atomicAdd(p.next_task, 1u));
+          queue.linear[slot] = linear;
+          queue.full[slot].arrive();
+        }
+        if (linear >= tasks.total()) break;
         const MegaTask task = tasks.at(linear);
         if (task.dispatch) continue;  // the consumers copy rows; nothing to load
         if (task.second) {
@@ -488,7 +507,16 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
-    for (int linear = cta; linear < tasks.total(); linear += ctas) {
+    for (int turn = 0;; ++turn) {
+      int linear = cta + turn * ctas;
+      if (p.dynamic_tasks) {  // the task the producer took
+        const int slot = turn % TaskQueue::kDepth;
+        queue.full[slot].wait((turn / TaskQueue::kDepth) & 1);
+        linear = queue.linear[slot];
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) queue.empty[slot].arrive();
+      }
+      if (linear >= tasks.total()) break;
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
       int k_blocks;
