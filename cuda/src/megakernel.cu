@@ -22,27 +22,15 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
-// A development switch for an A/B on the GPU: MOK_EXPERIMENT_DISPATCH=interleaved makes the pulls
-// tasks of the compute CTAs (no comm CTAs), MOK_EXPERIMENT_LOOKAHEAD (default 1) minibatches ahead
-// of their GEMMs. Outputs are the same either way; only how rows reach the ring. -1: comm CTAs.
-int experiment_dispatch_lookahead() {
-  static const int lookahead = [] {
-    const char* e = std::getenv("MOK_EXPERIMENT_DISPATCH");
-    if (e == nullptr || std::string(e) != "interleaved") return -1;
-    const char* l = std::getenv("MOK_EXPERIMENT_LOOKAHEAD");
-    return l != nullptr ? std::max(0, std::atoi(l)) : 1;
-  }();
-  return lookahead;
-}
 
-// MOK_EXPERIMENT_SCHEDULE=dynamic: the megakernel's CTAs take tasks of the fixed order from a
-// counter instead of round robin (the same tiles and bits either way).
-bool experiment_dynamic_tasks() {
-  static const bool dynamic = [] {
-    const char* e = std::getenv("MOK_EXPERIMENT_SCHEDULE");
-    return e != nullptr && std::string(e) == "dynamic";
+// A development switch for an A/B on the GPU: MOK_EXPERIMENT_DISPATCH=warps pulls the rows with
+// warps 1..3 of every compute CTA (detail::dispatch_warps) instead of comm CTAs. The same bits.
+bool experiment_comm_warps() {
+  static const bool warps = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_DISPATCH");
+    return e != nullptr && std::string(e) == "warps";
   }();
-  return dynamic;
+  return warps;
 }
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
@@ -53,11 +41,10 @@ void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, un
 struct CounterLayout {
   int64_t minibatches, row_blocks;
   int64_t x_ready() const { return 0; }
-  int64_t y_done() const { return row_blocks; }
-  int64_t h_ready() const { return row_blocks + minibatches; }
-  int64_t done_ctas() const { return 2 * row_blocks + minibatches; }
-  int64_t next_task() const { return 2 * row_blocks + minibatches + 1; }
-  int64_t words() const { return 2 * row_blocks + minibatches + 2; }
+  int64_t y_done() const { return minibatches; }
+  int64_t h_ready() const { return 2 * minibatches; }
+  int64_t done_ctas() const { return 2 * minibatches + row_blocks; }
+  int64_t words() const { return 2 * minibatches + row_blocks + 1; }
 };
 
 CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
@@ -274,8 +261,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // the other ranks waiting for this one's pushes.
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);
-  const int lookahead = experiment_dispatch_lookahead();
-  const int comm = lookahead >= 0 ? 0 : a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
+  const bool comm_warps = experiment_comm_warps();
+  const int comm = comm_warps ? 0 : a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
   if (sms > device_sms)
     throw std::invalid_argument("mok moe_forward: num_sms " + std::to_string(sms) + " exceeds the device's " +
                                 std::to_string(device_sms) + " SMs (one resident CTA per SM)");
@@ -350,6 +337,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   p.comm_ctas = comm;
+  p.comm_warps = comm_warps ? 1 : 0;
   p.ranks = R;
   p.rank = me;
   p.topk = int(shape.topk);
@@ -364,11 +352,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
-  p.next_task = a.counters + counters.next_task();
-  p.dynamic_tasks = experiment_dynamic_tasks() ? 1 : 0;
-  // The pulls lead their GEMMs by fewer minibatches than the ring has slots (MegaTasks: else a
-  // pull would wait for down tiles after it in the order).
-  p.dispatch_lookahead = lookahead < 0 ? -1 : int(std::min<int64_t>(lookahead, ring / a.minibatch_rows - 1));
   p.epoch = a.epoch;
   p.status = status;
   for (int s = 0; s < R; ++s) {
@@ -517,7 +500,7 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
       break;
     case detail::kWaitRows:
       out << "rank " << rank << " timed out waiting for the dispatch of minibatch " << where << " (" << seen
-          << " pulls of a row block done)";
+          << " comm CTAs done)";
       break;
     case detail::kWaitHidden:
       out << "rank " << rank << " timed out waiting for the gate/up tiles of row block " << where << " (" << seen

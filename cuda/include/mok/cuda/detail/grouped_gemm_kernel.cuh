@@ -25,16 +25,6 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
-// Task indices from the producer warp, which takes them from a global counter, to the consumer
-// warpgroups (the megakernel's dynamic task order): slot i % kDepth, full when the producer wrote
-// it, empty when every consumer warp read it.
-struct TaskQueue {
-  static constexpr int kDepth = 2;
-  static constexpr int kConsumerWarps = 8;
-  cutlass::arch::ClusterBarrier full[kDepth], empty[kDepth];
-  int32_t linear[kDepth];
-};
-
 // The stages hold the operands' element type; their bytes are the same at every precision.
 template <class Element>
 struct GroupedGemmSharedStorage {
@@ -43,7 +33,6 @@ struct GroupedGemmSharedStorage {
   alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];  // the epilogue's 128 x 64 output tiles
   GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
-  TaskQueue queue;  // the megakernel's (in the padding before the 1 KiB alignment: no extra bytes)
 };
 
 // Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles.

@@ -2,15 +2,13 @@
 // the ring), gate/up + SwiGLU, down, and the combine push of each output row into its (token, j)
 // slot on the source rank, in one persistent launch (megakernel.h has the protocol around it).
 //
-// Roles by CTA: the first comm_ctas CTAs pull rows (none when the pulls are tasks, below); the
-// others compute tasks in one fixed order (MegaTasks): minibatch by minibatch, its gate/up tiles,
-// then its down tiles, with the pull of each row block as a task of its own one group ahead when
-// comm_ctas is 0. Minibatch b is rows [b*M, (b+1)*M) of the rank's schedule (M a multiple of 128,
-// so no tile crosses a minibatch or an expert) and lives in ring slot b % S. Tasks wait on
-// counters, never on CTAs:
-//   gate/up tile of row block waits x_ready[rb] == comm_ctas, or 1 (its rows are in the ring)
-//   down tile of row block    waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
-//   dispatch of b (b >= S)    waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
+// Roles by CTA: the first comm_ctas CTAs pull rows; the others compute tasks in one fixed order:
+// minibatch by minibatch, its gate/up tiles, then its down tiles. Minibatch b is rows
+// [b*M, (b+1)*M) of the rank's schedule (M a multiple of 128, so no tile crosses a minibatch or an
+// expert) and lives in ring slot b % S. Tasks wait on counters, never on CTAs:
+//   gate/up tile of b      waits x_ready[b]  == comm_ctas      (every comm CTA pulled its rows of b)
+//   down tile of row block waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
+//   dispatch of b (b >= S) waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
 // A task's inputs come only from earlier tasks, and every CTA takes its tasks in increasing order,
 // so the lowest unfinished task can always run: no deadlock for any skew, ring or minibatch size.
 // Each output tile is computed by one CTA with the expert kernels' k order, so which CTA takes it
@@ -117,19 +115,17 @@ struct MegaForwardParams {
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
-  int32_t comm_ctas;                 // CTAs that only pull rows (0: the compute CTAs pull them)
-  int32_t dispatch_lookahead;        // -1 with comm CTAs; else how many minibatches the pulls lead
+  int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
+  int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
   const int32_t* src_slot;
   uint4* ring_x;                     // [ring_rows, H]
-  uint32_t* x_ready;                 // [row_capacity / 128]
+  uint32_t* x_ready;                 // [max minibatches]
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
-  uint32_t* next_task;               // [1] the next task of the order to take (dynamic_tasks)
-  int32_t dynamic_tasks;             // 1: CTAs take tasks from next_task; 0: CTA c takes c, c + n, ...
   uint32_t epoch;
   WaitStatus status;
   const uint4* x[kMaxRanks];               // [T, H] on each rank
@@ -145,22 +141,14 @@ __device__ __forceinline__ int scheduled_rows(const MegaForwardParams& p) {
 }
 
 struct MegaTask {
-  bool dispatch;  // a dispatch task: pull the rows of row_block into the ring (no GEMM)
-  bool second;    // the second GEMM of the minibatch (forward: down)
+  bool second;  // the second GEMM of the minibatch (forward: down)
   int minibatch;
   int row_block;  // global row block of the schedule
   GroupedTile tile;
 };
 
 // The task order of a two-GEMM pass (forward: gate/up then down; backward: dgrad of down then of
-// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second and
-// dispatch_lookahead.
-//
-// Group g of the order holds the dispatch tasks of minibatch g (one per row block; only when
-// dispatch_lookahead >= 0, else comm CTAs pull the rows), then the GEMM tasks of minibatch
-// g - L (L = max(dispatch_lookahead, 0)): the rows of a minibatch are pulled one group before its
-// GEMMs need them. With L < S (ring slots), the down tiles that free the slot a dispatch task
-// overwrites come earlier in the order, so every task still depends only on earlier ones.
+// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second.
 template <class Params>
 struct MegaTasks {
   const Params& p;
@@ -168,53 +156,20 @@ struct MegaTasks {
 
   __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
   __device__ int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
-  __device__ int minibatches() const { return (row_blocks() + mb_blocks() - 1) / mb_blocks(); }
   __device__ int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
-  __device__ bool dispatches() const { return p.dispatch_lookahead >= 0; }
-  __device__ int lookahead() const { return max(p.dispatch_lookahead, 0); }
-  __device__ int groups() const { return minibatches() == 0 ? 0 : minibatches() + lookahead(); }
-  // The tasks before group g.
-  __device__ int before(int g) const {
+  __device__ int total() const {
     const int rb = row_blocks(), mb = mb_blocks();
-    const int gemms = min(max(g - lookahead(), 0) * mb, rb) * (p.n_first + p.n_second);
-    return dispatches() ? gemms + min(g * mb, rb) : gemms;
+    if (rb == 0) return 0;
+    const int full = (rb - 1) / mb;  // minibatches before the last
+    return full * mb * (p.n_first + p.n_second) + (rb - full * mb) * (p.n_first + p.n_second);
   }
-  __device__ int total() const { return before(groups()); }
 
-  // The group of task `linear` (the last one starting at or before it), in closed form: only the
-  // last minibatch can be short, so groups come in three runs of equal sizes: pulls only (g < L),
-  // pulls and GEMMs (L <= g < nb), GEMMs only (g >= nb).
-  __device__ int group_of(int linear) const {
-    const int mb = mb_blocks(), nb = minibatches(), L = lookahead(), gemms = p.n_first + p.n_second;
-    if (!dispatches()) return min(linear / (gemms * mb), nb - 1);
-    const int pulls_only = min(L, nb);
-    if (linear < before(pulls_only)) return min(linear / mb, pulls_only - 1);
-    if (L < nb) {
-      if (linear < before(nb - 1)) return (linear / mb + gemms * L) / (1 + gemms);
-      if (linear < before(nb)) return nb - 1;
-    }
-    const int first = max(L, nb);
-    return min(first + (linear - before(first)) / (gemms * mb), nb + L - 1);
-  }
-  __device__ MegaTask at(int linear) const { return at(linear, group_of(linear)); }
-  // Task `linear` of group g (group_of(linear): callers that keep it skip the search).
-  __device__ MegaTask at(int linear, int g) const {
+  __device__ MegaTask at(int linear) const {
     const int mb = mb_blocks();
-    int local = linear - before(g);
-    const int slots = p.ring_rows / p.mb_rows;
-    MegaTask task;
-    const int pulls = dispatches() && g < minibatches() ? blocks_of(g) : 0;
-    task.dispatch = local < pulls;
-    if (task.dispatch) {
-      task.second = false;
-      task.minibatch = g;
-      task.row_block = g * mb + local;
-      task.tile.m_block = (g % slots) * mb + local;  // the ring's row block
-      return task;
-    }
-    local -= pulls;
-    const int b = g - lookahead();
+    const int b = linear / (mb * (p.n_first + p.n_second));
     const int rbs = blocks_of(b);
+    int local = linear - b * mb * (p.n_first + p.n_second);
+    MegaTask task;
     task.second = local >= rbs * p.n_first;
     if (task.second) local -= rbs * p.n_first;
     const int n_blocks = task.second ? p.n_second : p.n_first;
@@ -236,6 +191,7 @@ struct MegaTasks {
         hi = mid - 1;
       }
     }
+    const int slots = p.ring_rows / p.mb_rows;
     task.tile.expert = lo;
     task.tile.m_block = (b % slots) * mb + rb_local;  // the ring's row block
     task.tile.save_m_block = task.row_block;
@@ -257,11 +213,15 @@ __device__ __forceinline__ const uint4* source_row(const MegaForwardParams& p, i
   return p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
 }
 
-// The comm CTAs' loop, whatever moves the rows: for each minibatch b, wait until its ring slot is
-// free, let move_rows(row0, row1, ring rows of b) write this CTA's rows of [row0, row1) into the
-// slot (every thread of the CTA calls it), then count the CTA in x_ready of each row block of b.
-template <class MoveRows>
-__device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_rows) {
+// The pull loop of a team of warps: for each minibatch b, the leader waits until b's ring slot is
+// free, then warp w of the team copies schedule rows row0 + first + w, + stride, ... of b (one warp
+// per row, kUnroll 16-byte loads in flight per lane: peer reads are long; padding rows are zeros),
+// and once the team synchronized (sync) the leader counts it in x_ready[b].
+// Teams: a comm CTA (all its warps), or the 3 warps of a compute CTA's producer warpgroup that do
+// not issue TMA loads (comm_warps).
+template <int kUnroll, class Sync>
+__device__ void pull_minibatches(const MegaForwardParams& p, int first, int stride, int warp, bool leader, Sync sync) {
+  const int lane = threadIdx.x % 32;
   const int used = scheduled_rows(p);
   const int mb = p.mb_rows / GemmConfig::kBlockM;
   const int slots = p.ring_rows / p.mb_rows;
@@ -271,29 +231,15 @@ __device__ void dispatch_minibatches(const MegaForwardParams& p, MoveRows move_r
     if (b >= slots) {
       const int prev = b - slots;
       const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
-      if (threadIdx.x == 0) {
+      if (leader) {
         wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
-        fence_proxy_async();  // the slot's last readers were TMA loads; bulk stores may overwrite it next
+        fence_proxy_async();  // the slot's last readers were TMA loads
       }
-      __syncthreads();
+      sync();
     }
     const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
-    move_rows(row0, row1, p.ring_x + int64_t(b % slots) * p.mb_rows * p.row_vectors);
-    __syncthreads();  // the CTA's rows of b are written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      fence_proxy_async();  // the gate/up tiles read them with TMA
-      for (int rb = b * mb; rb < min((b + 1) * mb, row_blocks); ++rb) add_release_gpu(&p.x_ready[rb], 1);
-    }
-  }
-}
-
-// Warp copies: one warp per row, 8 16-byte loads in flight per lane (peer reads are long).
-__device__ void dispatch_role(const MegaForwardParams& p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  constexpr int kUnroll = 8;
-  dispatch_minibatches(p, [&](int row0, int row1, uint4* ring) {
-    for (int r = row0 + blockIdx.x * warps + warp; r < row1; r += p.comm_ctas * warps) {
+    uint4* ring = p.ring_x + int64_t(b % slots) * p.mb_rows * p.row_vectors;
+    for (int r = row0 + first + warp; r < row1; r += stride) {
       uint4* dst = ring + int64_t(r - row0) * p.row_vectors;
       if (is_token_row(p, r)) {
         const uint4* src = source_row(p, r);
@@ -314,54 +260,30 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
         for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
       }
     }
-  });
+    sync();  // the team's rows of b are written
+    if (leader) {
+      __threadfence();
+      fence_proxy_async();  // the gate/up tiles read them with TMA
+      add_release_gpu(&p.x_ready[b], 1);
+    }
+  }
 }
 
-// Interleaved dispatch (dispatch_lookahead >= 0): a compute CTA's consumer threads run a dispatch
-// task: wait until the ring slot is free, copy the 128 schedule rows of the row block into it
-// (the rows flattened into 16-byte pieces, kInFlight loads in flight per thread, so short rows
-// keep as many bytes in flight as long ones), then count it in x_ready[row block].
-__device__ void dispatch_row_block(const MegaForwardParams& p, const MegaTask& task, int thread) {
-  constexpr int kThreads = 256, kInFlight = 16;
-  const int slots = p.ring_rows / p.mb_rows;
-  if (task.minibatch >= slots) {
-    if (thread == 0) {
-      const int prev = task.minibatch - slots, mb = p.mb_rows / GemmConfig::kBlockM;
-      const int row_blocks = scheduled_rows(p) / GemmConfig::kBlockM;
-      const uint32_t need = uint32_t(min(mb, row_blocks - prev * mb) * p.n_second);
-      wait_at_least<false>(&p.y_done[prev], need, p.status, kWaitRingSlot, prev);
-      fence_proxy_async();  // the slot's last readers were TMA loads
-    }
-    consumers_sync();
-  }
-  const int row0 = task.row_block * GemmConfig::kBlockM, rv = p.row_vectors;
-  const int items = GemmConfig::kBlockM * rv;
-  uint4* dst = p.ring_x + int64_t(task.tile.m_block) * GemmConfig::kBlockM * rv;
-  // Piece j is (row, col) = (j / rv, j % rv), stepped without a division (whose reciprocal the
-  // compiler would keep in a register over the whole task loop, mainloop included).
-  int row = 0, col = thread;
-  while (col >= rv) col -= rv, ++row;
-  for (int j0 = thread; j0 < items; j0 += kThreads * kInFlight) {
-    uint4 part[kInFlight];
-    CUTE_UNROLL
-    for (int u = 0; u < kInFlight; ++u) {
-      part[u] = make_uint4(0, 0, 0, 0);  // padding rows are zeros
-      if (row < GemmConfig::kBlockM && is_token_row(p, row0 + row)) part[u] = source_row(p, row0 + row)[col];
-      col += kThreads;
-      while (col >= rv) col -= rv, ++row;
-    }
-    CUTE_UNROLL
-    for (int u = 0; u < kInFlight; ++u) {
-      const int j = j0 + u * kThreads;
-      if (j < items) dst[j] = part[u];
-    }
-  }
-  consumers_sync();  // the row block is written
-  if (thread == 0) {
-    __threadfence();
-    fence_proxy_async();  // the gate/up tiles read it with TMA
-    add_release_gpu(&p.x_ready[task.row_block], 1);
-  }
+// A comm CTA: every warp pulls.
+__device__ void dispatch_role(const MegaForwardParams& p) {
+  const int warps = blockDim.x / 32;
+  pull_minibatches<8>(p, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0,
+                      [] { __syncthreads(); });
+}
+
+// Comm warps: warps 1..3 of compute CTA `cta` of `ctas` (warp 0 issues the TMA loads). They run
+// within the producer warpgroup's 40 registers, so 4 loads in flight per lane.
+inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 2;  // named barrier of their 96 threads
+__device__ void dispatch_warps(const MegaForwardParams& p, int cta, int ctas) {
+  const int warp = threadIdx.x / 32 - 1;
+  pull_minibatches<2>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, [] {
+    asm volatile("bar.sync %0, %1;" ::"r"(kCommWarpsBarrier), "r"(32 * kCommWarps) : "memory");
+  });
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
@@ -446,41 +368,24 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
   Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
-  TaskQueue& queue = smem.queue;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < TaskQueue::kDepth; ++i) {
-      queue.full[i].init(1);
-      queue.empty[i].init(TaskQueue::kConsumerWarps);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
   __syncthreads();
 
-  // The loops read the task count from shared memory on every turn (tasks.total()) instead of
-  // keeping it: one register less over the mainloop, which holds 128 for the accumulator.
   const MegaTasks<MegaForwardParams> tasks{p, smem.tiles};
+  const int total = tasks.total();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp == 0 && cute::elect_one_sync()) {
+    if (warp != 0) {
+      if (p.comm_warps) dispatch_warps(p, cta, ctas);
+    } else if (cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int turn = 0;; ++turn) {
-        int linear = cta + turn * ctas;
-        if (p.dynamic_tasks) {  // take the next task of the order and hand it to the consumers
-          const int slot = turn % TaskQueue::kDepth;
-          queue.empty[slot].wait(((turn / TaskQueue::kDepth) & 1) ^ 1);
-          linear = int(atomicAdd(p.next_task, 1u));
-          queue.linear[slot] = linear;
-          queue.full[slot].arrive();
-        }
-        if (linear >= tasks.total()) break;
+      for (int linear = cta; linear < total; linear += ctas) {
         const MegaTask task = tasks.at(linear);
-        if (task.dispatch) continue;  // the consumers copy rows; nothing to load
         if (task.second) {
           wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, kWaitHidden, task.row_block);
         } else {
-          wait_at_least<false>(&p.x_ready[task.row_block], uint32_t(max(p.comm_ctas, 1)), p.status, kWaitRows,
-                               task.minibatch);
+          const uint32_t teams = uint32_t(p.comm_warps ? ctas : p.comm_ctas);  // that pull rows
+          wait_at_least<false>(&p.x_ready[task.minibatch], teams, p.status, kWaitRows, task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
         const ForwardMainloop::Params& load = task.second ? p.down_load : p.gu_load;
@@ -507,30 +412,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
-    for (int turn = 0;; ++turn) {
-      int linear = cta + turn * ctas;
-      if (p.dynamic_tasks) {  // the task the producer took
-        const int slot = turn % TaskQueue::kDepth;
-        queue.full[slot].wait((turn / TaskQueue::kDepth) & 1);
-        linear = queue.linear[slot];
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) queue.empty[slot].arrive();
-      }
-      if (linear >= tasks.total()) break;
+    for (int linear = cta; linear < total; linear += ctas) {
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
-      int k_blocks;
-      {
-        const MegaTask head = tasks.at(linear);
-        if (head.dispatch) {
-          dispatch_row_block(p, head, consumer_thread);
-          continue;
-        }
-        k_blocks = head.tile.k_end;
-      }
-      // The accumulator starts from zeros, not from the last tile's values: so it is dead from the
-      // epilogue to here, and a dispatch task has the registers for its loads in flight.
-      clear(acc);
+      const int k_blocks = tasks.at(linear).tile.k_end;
       mma.accumulate_ = GMMA::ScaleOut::Zero;
       warpgroup_fence_operand(acc);
       for (int kb = 0; kb < k_blocks; ++kb) {
