@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <sstream>
 #include <stdexcept>
@@ -22,16 +21,6 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
-
-// A development switch for an A/B on the GPU: MOK_EXPERIMENT_DISPATCH=warps pulls the rows with
-// warps 1..3 of every compute CTA (detail::dispatch_warps) instead of comm CTAs. The same bits.
-bool experiment_comm_warps() {
-  static const bool warps = [] {
-    const char* e = std::getenv("MOK_EXPERIMENT_DISPATCH");
-    return e != nullptr && std::string(e) == "warps";
-  }();
-  return warps;
-}
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
 void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
@@ -261,13 +250,13 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // the other ranks waiting for this one's pushes.
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);
-  const bool comm_warps = experiment_comm_warps();
-  const int comm = comm_warps ? 0 : a.comm_ctas > 0 ? a.comm_ctas : std::max(1, sms / 8);
+  const int comm = a.comm_ctas;  // 0: comm warps (detail::dispatch_warps)
   if (sms > device_sms)
     throw std::invalid_argument("mok moe_forward: num_sms " + std::to_string(sms) + " exceeds the device's " +
                                 std::to_string(device_sms) + " SMs (one resident CTA per SM)");
-  if (comm >= sms) throw std::invalid_argument("mok moe_forward: comm_ctas must leave compute CTAs (comm_ctas " +
-                                               std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
+  if (comm < 0 || comm >= sms)
+    throw std::invalid_argument("mok moe_forward: comm_ctas must be in [0, CTAs) to leave compute CTAs (comm_ctas " +
+                                std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
   const int32_t* topk_idx[kMaxRanks];
   for (int s = 0; s < R; ++s) topk_idx[s] = SymmetricLayout::at<const int32_t>(a.bases[s], l.topk_idx);
   ScheduleArgs sa;
@@ -337,7 +326,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   p.comm_ctas = comm;
-  p.comm_warps = comm_warps ? 1 : 0;
+  p.comm_warps = comm == 0 ? 1 : 0;
   p.ranks = R;
   p.rank = me;
   p.topk = int(shape.topk);

@@ -71,7 +71,7 @@ class MoeConfig:
     These shape the GPU megakernel's pipeline; results do not depend on them.
     """
 
-    comm_sms: int | None = None  # SMs that move data (the rest compute)
+    comm_sms: int | None = None  # SMs that only move data (None/0: 3 warps of every CTA pull the rows)
     minibatch_rows: int | None = None  # rows per minibatch, a multiple of the 128-row tile
     ring_rows: int | None = None  # rows the ring token buffer holds, a multiple of minibatch_rows
     ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
@@ -216,12 +216,7 @@ def _check_config(config: object) -> None:
 
 def _plan(desc: Any, device: torch.device, config: MoeConfig) -> dict[str, Any]:
     """The planner's choices for ``desc`` on ``device`` under ``config``'s overrides."""
-    comm_sms = config.comm_sms
-    if comm_sms is None and device.type == "cpu":
-        # The CPU backend has no SMs to split; 1 keeps the planner's arithmetic valid (its cpu
-        # device default would take both nominal SMs).
-        comm_sms = 1
-    return _C.plan(desc, _device_facts(device), comm_sms=comm_sms, minibatch_rows=config.minibatch_rows,
+    return _C.plan(desc, _device_facts(device), comm_sms=config.comm_sms, minibatch_rows=config.minibatch_rows,
                    ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
 
 

@@ -332,9 +332,10 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
   facts.sm_count = ctas;
   const MoeConfig config = plan(planned, facts);
   const int64_t minibatch = config.minibatch_rows, ring = config.ring_rows;
-  const int comm = std::max(1, std::min(config.comm_sms, ctas / 4));
+  const int comm = std::min(config.comm_sms, ctas / 4);  // 0: comm warps
   out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
-                   std::to_string(comm) + " comm of " + std::to_string(ctas) + " CTAs per rank";
+                   (comm > 0 ? std::to_string(comm) + " comm of " : std::string("comm warps in each of ")) +
+                   std::to_string(ctas) + " CTAs per rank";
 
   struct FusedRank {
     DeviceArray<uint8_t> symmetric;

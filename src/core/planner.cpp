@@ -65,7 +65,7 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
-int default_comm_sms(const MoeDesc& desc, const DeviceFacts& device) {
+int comm_ctas_for_peer_reads(const MoeDesc& desc, const DeviceFacts& device) {
   // At most a quarter of the SMs, and never all of them (a device of 2 "SMs", the CPU backend's
   // nominal one, keeps 1 for compute).
   const int most = std::max(1, std::min(std::max(2, device.sm_count / 4), device.sm_count - 1));
@@ -144,22 +144,24 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
       << " SMs, " << device.bf16_tflops << " TFLOP/s bf16, " << device.hbm_gbps << " GB/s HBM, "
       << device.nvlink_gbps << " GB/s NVLink per direction)\n";
 
-  // Comm SMs: enough bulk-copy engines to keep the NVLink (or the local gather) busy.
+  // Comm SMs: none by default. The three warps of every CTA's producer warpgroup that issue no
+  // TMA loads pull the rows (measured on 2 H200s: 5-10% faster forward than 16 comm SMs on
+  // every preset tried, bench/results/2026-11-30-h200-session5). Given SMs are comm CTAs.
   if (ov.comm_sms) {
-    MOK_REQUIRE(*ov.comm_sms >= 1 && *ov.comm_sms < device.sm_count, "comm_sms must be in [1, ",
+    MOK_REQUIRE(*ov.comm_sms >= 0 && *ov.comm_sms < device.sm_count, "comm_sms must be in [0, ",
                 device.sm_count, "), got ", *ov.comm_sms);
     cfg.comm_sms = *ov.comm_sms;
-    why << "- comm SMs: " << cfg.comm_sms << " (given)\n";
+    why << "- comm SMs: " << cfg.comm_sms << " (given)"
+        << (cfg.comm_sms == 0 ? ": 3 warps of every CTA pull the rows" : "") << "\n";
   } else {
-    cfg.comm_sms = default_comm_sms(desc, device);
+    cfg.comm_sms = 0;
+    why << "- comm SMs: 0: 3 warps of every CTA pull the rows";
     if (desc.ranks == 1 || device.nvlink_gbps <= 0) {
-      why << "- comm SMs: " << cfg.comm_sms << ": "
-          << (desc.ranks == 1 ? "one rank" : "no peer links on this device")
-          << ", the dispatch is a local row gather\n";
+      why << " (" << (desc.ranks == 1 ? "one rank" : "no peer links on this device")
+          << ": a local row gather)\n";
     } else {
-      why << "- comm SMs: " << cfg.comm_sms << ": " << device.nvlink_gbps
-          << " GB/s of peer reads at ~" << kPeerGbpsPerSm
-          << " GB/s per SM (a lead until measured), at most a quarter of the SMs\n";
+      why << " (comm CTAs instead would take ~" << comm_ctas_for_peer_reads(desc, device) << " SMs for "
+          << device.nvlink_gbps << " GB/s of peer reads at ~" << kPeerGbpsPerSm << " GB/s per SM)\n";
     }
   }
   cfg.compute_sms = device.sm_count - cfg.comm_sms;

@@ -11,16 +11,18 @@ namespace {
 
 TEST(Planner, KimiK2OnTwoH200s) {
   const MoeConfig c = plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200());
-  // 372 GB/s / 24 GB/s per SM = 15.5 -> 16 comm SMs (even), 116 compute SMs.
-  EXPECT_EQ(c.comm_sms, 16);
-  EXPECT_EQ(c.compute_sms, 116);
-  // gate|up: 2I = 4096 -> 16 tiles of 256; down: H = 7168 -> 28. Two waves over 116 SMs need
-  // 232 tiles -> ceil(232/16) = 15 row tiles of 128 = 1920 rows.
-  EXPECT_EQ(c.minibatch_rows, 1920);
+  // No comm SMs (comm warps in every CTA pull the rows): 132 compute SMs. As comm CTAs, 372 GB/s
+  // at 24 GB/s per SM = 15.5 -> 16 (even).
+  EXPECT_EQ(c.comm_sms, 0);
+  EXPECT_EQ(c.compute_sms, 132);
+  EXPECT_EQ(comm_ctas_for_peer_reads(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200()), 16);
+  // gate|up: 2I = 4096 -> 16 tiles of 256; down: H = 7168 -> 28. Two waves over 132 SMs need
+  // 264 tiles -> ceil(264/16) = 17 row tiles of 128 = 2176 rows.
+  EXPECT_EQ(c.minibatch_rows, 2176);
   // Ring row: max(fwd 4H+6I, bwd 6H+12I) = 6*7168 + 12*2048 = 67584 bytes. 512 MiB / 67584 =
-  // 7943 rows -> 4 minibatches = 7680.
+  // 7943 rows -> 3 minibatches = 6528.
   EXPECT_EQ(c.ring_row_bytes, 67584);
-  EXPECT_EQ(c.ring_rows, 7680);
+  EXPECT_EQ(c.ring_rows, 6528);
   EXPECT_EQ(c.expected_rows, 8192 * 8);
   EXPECT_FALSE(c.keeps_forward_context);
   // 6 * (T*k*I + T*Is) * H = 6 * 7168 * 2048 * (65536 + 8192).
@@ -29,22 +31,24 @@ TEST(Planner, KimiK2OnTwoH200s) {
   EXPECT_NEAR(c.forward.floor_ms, c.forward.flops / 790e12 * 1e3, 1e-9);
   // Per direction: T*k rows of H bf16, half of them remote, in both dispatch and combine.
   EXPECT_DOUBLE_EQ(c.forward.nvlink_bytes, 2.0 * 65536 * 7168 * 2 * 0.5);
-  EXPECT_NE(c.explanation.find("minibatch: 1920 rows"), std::string::npos) << c.explanation;
+  EXPECT_NE(c.explanation.find("minibatch: 2176 rows"), std::string::npos) << c.explanation;
+  EXPECT_NE(c.explanation.find("comm SMs: 0: 3 warps of every CTA pull the rows"), std::string::npos);
 }
 
 TEST(Planner, OneRankUsesALocalGather) {
   const MoeConfig c = plan(find_preset("kimi-k2").desc(1, 8192), DeviceFacts::h200());
-  EXPECT_EQ(c.comm_sms, 4);
-  // 256 tiles over 16 column tiles -> 16 row tiles.
-  EXPECT_EQ(c.minibatch_rows, 2048);
+  EXPECT_EQ(c.comm_sms, 0);
+  EXPECT_EQ(comm_ctas_for_peer_reads(find_preset("kimi-k2").desc(1, 8192), DeviceFacts::h200()), 4);
+  // 264 tiles over 16 column tiles -> 17 row tiles.
+  EXPECT_EQ(c.minibatch_rows, 2176);
   EXPECT_EQ(c.forward.nvlink_bytes, 0.0);
 }
 
 TEST(Planner, NarrowestGemmDecides) {
-  // qwen3-30b-a3b: 2I = 1536 -> 6 tiles, H = 2048 -> 8 tiles: ceil(232/6) = 39 row tiles.
-  EXPECT_EQ(plan(find_preset("qwen3-30b-a3b").desc(2, 2048), DeviceFacts::h200()).minibatch_rows, 39 * 128);
+  // qwen3-30b-a3b: 2I = 1536 -> 6 tiles, H = 2048 -> 8 tiles: ceil(264/6) = 44 row tiles.
+  EXPECT_EQ(plan(find_preset("qwen3-30b-a3b").desc(2, 2048), DeviceFacts::h200()).minibatch_rows, 44 * 128);
   // mixtral: down (H = 4096 -> 16 tiles) is narrower than gate|up (2I = 28672 -> 112 tiles).
-  EXPECT_EQ(plan(find_preset("mixtral-8x7b").desc(2, 8192), DeviceFacts::h200()).minibatch_rows, 1920);
+  EXPECT_EQ(plan(find_preset("mixtral-8x7b").desc(2, 8192), DeviceFacts::h200()).minibatch_rows, 2176);
 }
 
 TEST(Planner, SmallBatchesTakeOneMinibatch) {
@@ -90,6 +94,11 @@ TEST(Planner, OverridesAreHonouredAndChecked) {
   bad = {};
   bad.comm_sms = 132;
   EXPECT_THROW(plan(d, DeviceFacts::h200(), bad), InvalidArgument);
+  bad.comm_sms = -1;
+  EXPECT_THROW(plan(d, DeviceFacts::h200(), bad), InvalidArgument);
+  PlanOverrides warps;
+  warps.comm_sms = 0;
+  EXPECT_EQ(plan(d, DeviceFacts::h200(), warps).compute_sms, 132);
 }
 
 TEST(Planner, EveryPresetPlansAtTwoAndSixtyFourRanks) {
@@ -114,8 +123,8 @@ TEST(Planner, EveryPresetPlansAtTwoAndSixtyFourRanks) {
 TEST(Planner, TheCpuDeviceLeavesComputeSms) {
   for (int64_t R : {1, 2}) {
     const MoeConfig c = plan(find_preset("small").desc(R, 64), DeviceFacts::cpu());
-    EXPECT_EQ(c.comm_sms, 1);
-    EXPECT_EQ(c.compute_sms, 1);
+    EXPECT_EQ(c.comm_sms, 0);
+    EXPECT_EQ(c.compute_sms, 2);
   }
 }
 

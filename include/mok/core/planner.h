@@ -37,7 +37,7 @@ struct TileShape {
 };
 
 struct PlanOverrides {
-  std::optional<int> comm_sms;
+  std::optional<int> comm_sms;  // 0: comm warps in every CTA; N >= 1: N comm CTAs
   std::optional<int64_t> minibatch_rows;
   std::optional<int64_t> ring_rows;
   std::optional<int64_t> ring_budget_bytes;
@@ -64,7 +64,7 @@ struct MoeConfig {
   MoeDesc desc;
   DeviceFacts device;
   TileShape tiles;
-  int comm_sms = 0;
+  int comm_sms = 0;              // CTAs that only pull rows; 0: 3 warps of every CTA pull them
   int compute_sms = 0;
   int64_t minibatch_rows = 0;      // rows per minibatch (the overlap granularity)
   int64_t ring_rows = 0;           // rows the ring token buffer holds (a multiple of the minibatch)
@@ -80,7 +80,8 @@ struct MoeConfig {
 MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrides& overrides = {});
 
 // Pieces of the plan, exposed for tests and for the kernels' launchers.
-int default_comm_sms(const MoeDesc& desc, const DeviceFacts& device);
+// Comm CTAs that would carry the pull alone (the default is none: comm warps, see plan()).
+int comm_ctas_for_peer_reads(const MoeDesc& desc, const DeviceFacts& device);
 int64_t minibatch_rows_for_two_waves(const MoeDesc& desc, const TileShape& tiles, int compute_sms);
 int64_t ring_row_bytes(const MoeDesc& desc);
 int64_t symmetric_bytes(const MoeDesc& desc);

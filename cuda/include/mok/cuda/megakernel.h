@@ -60,7 +60,7 @@ struct MoeForwardArgs {
   const void* y_shared = nullptr;  // optional [T, H] bf16: the shared expert's output, added in the combine
   void* y = nullptr;               // [T, H] bf16 out
   uint32_t epoch = 1;        // > 0, one more on every call, the same on every rank
-  int comm_ctas = 0;         // CTAs that pull rows (0 = the default: 1/8 of the SMs)
+  int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen, epoch
