@@ -145,7 +145,7 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
       << device.nvlink_gbps << " GB/s NVLink per direction)\n";
 
   // Comm SMs: none by default. The three warps of every CTA's producer warpgroup that issue no
-  // TMA loads pull the rows (measured on 2 H200s: 5-10% faster forward than 16 comm SMs on
+  // TMA loads pull the rows (measured on 2 H200s: a 0.4-10% faster forward than 16 comm SMs on
   // every preset tried, bench/results/2026-11-30-h200-session5). Given SMs are comm CTAs.
   if (ov.comm_sms) {
     MOK_REQUIRE(*ov.comm_sms >= 0 && *ov.comm_sms < device.sm_count, "comm_sms must be in [0, ",
