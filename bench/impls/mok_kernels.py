@@ -9,6 +9,8 @@ Skipped with the reason where the library is not built or there is no sm_90a GPU
 
 from __future__ import annotations
 
+import os
+
 from types import ModuleType
 from typing import Any
 
@@ -76,14 +78,20 @@ def _symmetric(problem: Any, ctx: BenchContext, kernels: ModuleType) -> tuple[to
     return held[0], held[1]
 
 
+def _grad_dtype() -> torch.dtype:
+    """The weight gradients' type: bf16 by default, the baselines' (torch._grouped_mm's gradients of
+    bf16 weights are bf16); ``MOK_BENCH_GRAD=fp32`` for fp32 (the figures before session 5)."""
+    return torch.float32 if os.environ.get("MOK_BENCH_GRAD", "bf16") == "fp32" else torch.bfloat16
+
+
 def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
-    """The handle's local buffers (rows kept for the backward, its scratch) and the fp32 weight
+    """The handle's local buffers (rows kept for the backward, its scratch) and the weight
     gradients, plus 25%; the symmetric buffer is allocated once for the run."""
     p = problem
     T, H, I, k, R, El = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks, p.local_experts
     cap = R * T * k + El * 127
     rows = cap * (3 * 2 * H + 5 * 2 * I + 16)
-    grads = 3 * El * I * H * 4
+    grads = 3 * El * I * H * _grad_dtype().itemsize
     return int(1.25 * (rows + grads))
 
 
@@ -123,8 +131,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     El, I = w_gate.shape[0], p.preset.I
     dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk_w = torch.empty(T, k, dtype=torch.float32, device=dev)
-    d_w = [torch.empty(El, I, H, dtype=torch.float32, device=dev), torch.empty(El, I, H, dtype=torch.float32, device=dev),
-           torch.empty(El, H, I, dtype=torch.float32, device=dev)] if with_backward else []
+    d_w = [torch.empty(shape, dtype=_grad_dtype(), device=dev)
+           for shape in ((El, I, H), (El, I, H), (El, H, I))] if with_backward else []
 
     context = fused.new_context(dev) if with_backward else None
 
@@ -272,12 +280,12 @@ def build_experts(problem: Any, ctx: BenchContext) -> Runner:
     gu = torch.empty(rows, 2 * I, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
     # Backward: dy at the same padded rows, router weight 1 on real rows and 0 on padding rows (the
-    # experts case has no router), fp32 weight gradients.
+    # experts case has no router), weight gradients of _grad_dtype().
     dy_rows = torch.zeros(rows, H, dtype=torch.bfloat16, device=dev)
     dy_rows[index] = p.d_y
     row_weight = torch.zeros(rows, dtype=torch.float32, device=dev)
     row_weight[index] = 1.0
-    grads = {name: torch.empty(shape, dtype=torch.float32, device=dev)
+    grads = {name: torch.empty(shape, dtype=_grad_dtype(), device=dev)
              for name, shape in (("gate", (El, I, H)), ("up", (El, I, H)), ("down", (El, H, I)))}
     dx = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
     d_row_weight = torch.empty(rows, dtype=torch.float32, device=dev)

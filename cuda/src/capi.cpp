@@ -162,8 +162,8 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
                               const void* expert_offsets, const void* x, const void* gu, const void* h, const void* dy,
                               const void* row_weight, const void* w_gate, const void* w_up, const void* w_down,
                               void* dgu, void* hw, void* dw_partial, void* dx, void* d_row_weight, void* d_w_gate,
-                              void* d_w_up, void* d_w_down, int has_limit, float limit, void* status, void* stream,
-                              char* error, int error_len) {
+                              void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit, void* status,
+                              void* stream, char* error, int error_len) {
   try {
     mok::cuda::ExpertsBackwardArgs a;
     a.row_capacity = row_capacity;
@@ -184,9 +184,10 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
     a.dw_partial = static_cast<float*>(dw_partial);
     a.dx = dx;
     a.d_row_weight = static_cast<float*>(d_row_weight);
-    a.d_w_gate = static_cast<float*>(d_w_gate);
-    a.d_w_up = static_cast<float*>(d_w_up);
-    a.d_w_down = static_cast<float*>(d_w_down);
+    a.d_w_gate = d_w_gate;
+    a.d_w_up = d_w_up;
+    a.d_w_down = d_w_down;
+    a.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
     if (has_limit) a.swiglu_limit = limit;
     a.status = static_cast<int32_t*>(status);
     mok::cuda::experts_backward(a, static_cast<cudaStream_t>(stream));
@@ -350,10 +351,11 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
 }
 
 // The backward of the forward that kept `ctx_*` (a keep_rows handle): every rank has written its
-// dy and topk_w into its symmetric buffer. Weight gradients are fp32 and overwritten.
+// dy and topk_w into its symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
+// overwritten.
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx, void* d_topk_w, void* d_w_gate, void* d_w_up,
-                          void* d_w_down, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
+                          void* d_w_down, int d_w_bf16, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
                           void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
@@ -370,9 +372,10 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.dx_shared = dx_shared;
     b.dx = dx;
     b.d_topk_w = static_cast<float*>(d_topk_w);
-    b.d_w_gate = static_cast<float*>(d_w_gate);
-    b.d_w_up = static_cast<float*>(d_w_up);
-    b.d_w_down = static_cast<float*>(d_w_down);
+    b.d_w_gate = d_w_gate;
+    b.d_w_up = d_w_up;
+    b.d_w_down = d_w_down;
+    b.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
     b.x_rows = c.x_rows;
     b.h = c.h;
     b.gu = c.gu;

@@ -5,6 +5,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "mok/cuda/detail/expert_epilogues.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
@@ -192,22 +193,33 @@ void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
   // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
   //    dW_down = dy^T hw. A is read transposed (MN-major), B too. Empty experts get zeros.
+  // The tiles are fp32 or bf16 (d_w_type): the same accumulation, one rounding in the epilogue.
   auto wgrad = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols,
-                   float* out) {
+                   void* out) {
     const MnMajor::Params m{MnMajor::make_a(bf(a_ptr), int(a_cols), int(R), 1, a_row_stride, 0),
                             MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
                             MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
                             int(a_cols), int(R), 1, int(b_cols), int(R), 1, kOnePlane, /*b_by_expert=*/0};
-    const detail::StoreF32Epilogue::Params e{store_target_f32(out, a_cols, b_cols, El)};
-    detail::GroupedGemmParams<MnMajor, detail::StoreF32Epilogue> p{
-        m, e, detail::TileOrder::expert_weights, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
-        ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
-    launch(p, a.num_sms, stream);
+    auto run = [&](auto* epilogue, const auto& e) {  // epilogue: a null pointer naming the type
+      using Epilogue = std::remove_pointer_t<decltype(epilogue)>;
+      detail::GroupedGemmParams<MnMajor, Epilogue> p{
+          m, e, detail::TileOrder::expert_weights, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
+          ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
+      launch(p, a.num_sms, stream);
+    };
+    if (a.d_w_type == GradType::bf16) {
+      run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), detail::StoreBf16PlanesEpilogue::Params{
+          {detail::make_store_tma(bf(out), int(a_cols), int(b_cols), b_cols, int(El), a_cols * b_cols), int(a_cols),
+           int(b_cols), int(El)}});
+    } else {
+      run(static_cast<detail::StoreF32Epilogue*>(nullptr), detail::StoreF32Epilogue::Params{store_target_f32(static_cast<float*>(out), a_cols, b_cols, El)});
+    }
   };
   if (R == 0) {  // no rows at all: every expert is empty (a TMA descriptor cannot have a zero extent)
-    check(cudaMemsetAsync(a.d_w_gate, 0, sizeof(float) * El * I * H, stream), "zero dW_gate");
-    check(cudaMemsetAsync(a.d_w_up, 0, sizeof(float) * El * I * H, stream), "zero dW_up");
-    check(cudaMemsetAsync(a.d_w_down, 0, sizeof(float) * El * H * I, stream), "zero dW_down");
+    const int64_t bytes = grad_bytes(a.d_w_type) * El * I * H;
+    check(cudaMemsetAsync(a.d_w_gate, 0, bytes, stream), "zero dW_gate");
+    check(cudaMemsetAsync(a.d_w_up, 0, bytes, stream), "zero dW_up");
+    check(cudaMemsetAsync(a.d_w_down, 0, bytes, stream), "zero dW_down");
     return;
   }
   wgrad(a.dgu, I, 2 * I, a.x, H, a.d_w_gate);
@@ -225,6 +237,7 @@ void preload_expert_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::SwiGluBackwardEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, reduce_row_partials), what);
 }
 

@@ -428,6 +428,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.d_w_gate = a.d_w_gate;
   e.d_w_up = a.d_w_up;
   e.d_w_down = a.d_w_down;
+  e.d_w_type = a.d_w_type;
   e.swiglu_limit = a.swiglu_limit;
   e.status = a.experts_status;
   ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks

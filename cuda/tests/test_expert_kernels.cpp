@@ -269,6 +269,27 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
       EXPECT_EQ(first_bit_difference(d, first_d), -1) << "dW_down differs in run " << run;
     }
   }
+
+  // bf16 weight gradients (d_w_type = bf16): the fp32 ones rounded to nearest even, bit for bit
+  // (the same accumulation, one rounding in the epilogue), on poisoned buffers, twice.
+  DeviceBuffer<uint16_t> hWg(El * I * H), hWu(El * I * H), hWd(El * H * I);
+  a.d_w_gate = hWg.ptr;
+  a.d_w_up = hWu.ptr;
+  a.d_w_down = hWd.ptr;
+  a.d_w_type = cuda::GradType::bf16;
+  ASSERT_EQ(cuda::can_implement(a), "");
+  const std::vector<uint16_t> want_g = to_bits(first_g), want_u = to_bits(first_u), want_d = to_bits(first_d);
+  for (int run = 0; run < 2; ++run) {
+    hWg.poison();
+    hWu.poison();
+    hWd.poison();
+    cuda::experts_backward(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(dstatus.download()[0], 0);
+    EXPECT_EQ(first_bit_difference(hWg.download(), want_g), -1) << "bf16 dW_gate is not fp32 dW_gate rounded, run " << run;
+    EXPECT_EQ(first_bit_difference(hWu.download(), want_u), -1) << "bf16 dW_up is not fp32 dW_up rounded, run " << run;
+    EXPECT_EQ(first_bit_difference(hWd.download(), want_d), -1) << "bf16 dW_down is not fp32 dW_down rounded, run " << run;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Gpu, ExpertBackwardKernels, ::testing::ValuesIn(cases()),

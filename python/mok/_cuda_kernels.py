@@ -34,7 +34,7 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_experts_backward.restype = ctypes.c_int
     lib.mok_cuda_experts_backward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 17 + [
-        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_copy_bytes.restype = ctypes.c_int
     lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -46,8 +46,8 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
     # handle, bases, then 9 tensors, 6 context buffers and the stream, then the error buffer.
-    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 16 + [
-        ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 9 + [
+        ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
@@ -140,24 +140,33 @@ class BackwardScratch:
         self.dw_partial = torch.empty(rows, blocks, dtype=torch.float32, device=device)
 
 
+def _grad_dtype(d_w_gate: torch.Tensor) -> torch.dtype:
+    """The weight gradients' element type, from d_w_gate: fp32, or bf16 (written by the kernels,
+    half the bytes). The other two must match (_check_tensors says so)."""
+    if d_w_gate.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"d_w_gate must be float32 or bfloat16, got {d_w_gate.dtype}")
+    return d_w_gate.dtype
+
+
 def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
                      dy: torch.Tensor, row_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                      w_down: torch.Tensor, *, dx: torch.Tensor, d_row_weight: torch.Tensor, d_w_gate: torch.Tensor,
                      d_w_up: torch.Tensor, d_w_down: torch.Tensor, scratch: BackwardScratch,
                      swiglu_limit: float | None = None, status: torch.Tensor | None = None) -> None:
     """The backward of experts_forward on the same rows (row_weight: each row's router weight, 0 for
-    padding rows): dx, d row weight and fp32 weight gradients, in a fixed reduction order.
-    Asynchronous on the current stream."""
+    padding rows): dx, d row weight and the weight gradients (fp32, or bf16 when d_w_* are), in a
+    fixed reduction order. Asynchronous on the current stream."""
     El, I, H = w_gate.shape
     rows = x_rows.shape[0]
     bf16, f32 = torch.bfloat16, torch.float32
+    gw = _grad_dtype(d_w_gate)
     _check_tensors((
         ("x_rows", x_rows, (rows, H), bf16), ("gu", gu, (rows, 2 * I), bf16), ("h", h, (rows, I), bf16),
         ("dy", dy, (rows, H), bf16), ("row_weight", row_weight, (rows,), f32),
         ("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16), ("w_down", w_down, (El, H, I), bf16),
         ("dx", dx, (rows, H), bf16), ("d_row_weight", d_row_weight, (rows,), f32),
-        ("d_w_gate", d_w_gate, (El, I, H), f32), ("d_w_up", d_w_up, (El, I, H), f32),
-        ("d_w_down", d_w_down, (El, H, I), f32), ("scratch.dgu", scratch.dgu, (rows, 2 * I), bf16),
+        ("d_w_gate", d_w_gate, (El, I, H), gw), ("d_w_up", d_w_up, (El, I, H), gw),
+        ("d_w_down", d_w_down, (El, H, I), gw), ("scratch.dgu", scratch.dgu, (rows, 2 * I), bf16),
         ("scratch.hw", scratch.hw, (rows, I), bf16),
         ("scratch.dw_partial", scratch.dw_partial, (rows, int(_lib().mok_cuda_dw_partial_blocks(I))), f32)))
     if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or not offsets.is_cuda:
@@ -166,7 +175,7 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
     rc = _lib().mok_cuda_experts_backward(
         rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(gu), _ptr(h), _ptr(dy), _ptr(row_weight), _ptr(w_gate),
         _ptr(w_up), _ptr(w_down), _ptr(scratch.dgu), _ptr(scratch.hw), _ptr(scratch.dw_partial), _ptr(dx),
-        _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(swiglu_limit is not None),
+        _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(swiglu_limit is not None),
         float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream().cuda_stream, error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
@@ -291,16 +300,18 @@ class FusedForward:
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
                  d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
-        topk_w into its symmetric buffer. Weight gradients are fp32. Asynchronous."""
+        topk_w into its symmetric buffer. Weight gradients are fp32, or bf16 when d_w_* are (the
+        kernels write them, half the bytes). Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16, f32 = torch.bfloat16, torch.float32
+        gw = _grad_dtype(d_w_gate)
         self._check_bases(bases, dx.device)
         specs = [("w_gate", w_gate, (El, I, H), bf16), ("w_up", w_up, (El, I, H), bf16),
                  ("w_down", w_down, (El, H, I), bf16), ("dx", dx, (T, H), bf16),
                  ("d_topk_w", d_topk_w, (T, self.topk), f32),
-                 ("d_w_gate", d_w_gate, (El, I, H), f32), ("d_w_up", d_w_up, (El, I, H), f32),
-                 ("d_w_down", d_w_down, (El, H, I), f32)]
+                 ("d_w_gate", d_w_gate, (El, I, H), gw), ("d_w_up", d_w_up, (El, I, H), gw),
+                 ("d_w_down", d_w_down, (El, H, I), gw)]
         if dx_shared is not None:
             specs.append(("dx_shared", dx_shared, (T, H), bf16))
         _check_tensors(tuple(specs), device=dx.device)
@@ -308,7 +319,7 @@ class FusedForward:
         error = ctypes.create_string_buffer(512)
         rc = _lib().mok_cuda_backward_run(
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
-            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), *context.pointers(), torch.cuda.current_stream().cuda_stream,
+            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), *context.pointers(), torch.cuda.current_stream().cuda_stream,
             error, len(error))
         _raise(rc, error)
 

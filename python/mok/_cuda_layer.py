@@ -201,9 +201,11 @@ class _FusedMoe(torch.autograd.Function):
         El, I, _ = w_gate.shape
         dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
         d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)
-        d_gate = torch.empty(El, I, H, dtype=torch.float32, device=device)
-        d_up = torch.empty(El, I, H, dtype=torch.float32, device=device)
-        d_down = torch.empty(El, H, I, dtype=torch.float32, device=device)
+        # The kernels write bf16 weight gradients for bf16 weights (no fp32 copy to convert), else fp32.
+        grad = torch.bfloat16 if w_gate.dtype == w_up.dtype == w_down.dtype == torch.bfloat16 else torch.float32
+        d_gate = torch.empty(El, I, H, dtype=grad, device=device)
+        d_up = torch.empty(El, I, H, dtype=grad, device=device)
+        d_down = torch.empty(El, H, I, dtype=grad, device=device)
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context)
         ctx.context = None

@@ -253,8 +253,8 @@ std::string cuda_cannot_run(const MoeDesc& d) {
     a.expert_offsets = placeholder<const int32_t>();
     a.x = a.gu = a.h = a.dy = a.w_gate = a.w_up = a.w_down = placeholder<const void>();
     a.row_weight = placeholder<const float>();
-    a.dgu = a.hw = a.dx = placeholder<void>();
-    a.dw_partial = a.d_row_weight = a.d_w_gate = a.d_w_up = a.d_w_down = placeholder<float>();
+    a.dgu = a.hw = a.dx = a.d_w_gate = a.d_w_up = a.d_w_down = placeholder<void>();
+    a.dw_partial = a.d_row_weight = placeholder<float>();
     a.status = placeholder<int32_t>();
     return a;
   };

@@ -50,6 +50,11 @@ void down_projection(const ExpertsForwardArgs& args, cudaStream_t stream);
 // The backward on the same grouped rows (reference.h: experts_backward). dy holds each row's
 // output gradient, unscaled; row_weight each row's router weight (0 for padding rows). Row
 // outputs (dx, d_row_weight, the scratch rows) are written for rows [0, offsets[El]) only.
+// The element type of the weight gradients: fp32 (the default) or bf16, the parameters' type
+// (half the bytes written, and no conversion after; each element is rounded once from its fp32
+// tile, so the bits are as deterministic as fp32's).
+enum class GradType : int32_t { fp32 = 0, bf16 = 1 };
+
 struct ExpertsBackwardArgs {
   int64_t row_capacity = 0;
   int64_t hidden = 0;
@@ -69,19 +74,23 @@ struct ExpertsBackwardArgs {
   float* dw_partial = nullptr;       // [row_capacity, dw_partial_blocks(I)] fp32 scratch
   void* dx = nullptr;                // [row_capacity, H] bf16 out
   float* d_row_weight = nullptr;     // [row_capacity] out
-  float* d_w_gate = nullptr;         // [El, I, H] fp32 out (overwritten; zero for empty experts)
-  float* d_w_up = nullptr;           // [El, I, H] fp32 out
-  float* d_w_down = nullptr;         // [El, H, I] fp32 out
+  void* d_w_gate = nullptr;          // [El, I, H] d_w_type out (overwritten; zero for empty experts)
+  void* d_w_up = nullptr;            // [El, I, H] d_w_type out
+  void* d_w_down = nullptr;          // [El, H, I] d_w_type out
+  GradType d_w_type = GradType::fp32;
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;
   int num_sms = 0;
 };
 
+// Bytes of one weight-gradient element.
+inline int64_t grad_bytes(GradType t) { return t == GradType::bf16 ? 2 : 4; }
+
 // Column blocks of I whose partial sums of d topk_w the backward keeps per row.
 inline int64_t dw_partial_blocks(int64_t intermediate) { return (intermediate + 255) / 256; }
 
 std::string can_implement(const ExpertsBackwardArgs& args);
-// dx rows, d row weight and fp32 weight gradients; reductions in a fixed order (no atomics).
+// dx rows, d row weight and weight gradients (fp32 or bf16); reductions in a fixed order (no atomics).
 void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
 // Its last step alone: the weight gradients from x, dy and the dg|du, w*h rows of the dgrad
 // (dx, d_row_weight and dw_partial are not read).

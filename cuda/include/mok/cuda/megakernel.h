@@ -22,6 +22,7 @@
 #include <string>
 
 #include "mok/core/symmetric_layout.h"
+#include "mok/cuda/expert_kernels.h"
 #include "mok/cuda/routing.h"
 
 namespace mok::cuda {
@@ -101,9 +102,10 @@ struct MoeBackwardArgs {
   void* dx_rows = nullptr;         // [cap, H] bf16
   float* d_row_weight = nullptr;   // [cap]
   // Outputs.
-  float* d_w_gate = nullptr;       // [El, I, H] fp32
-  float* d_w_up = nullptr;         // [El, I, H] fp32
-  float* d_w_down = nullptr;       // [El, H, I] fp32
+  void* d_w_gate = nullptr;        // [El, I, H] d_w_type
+  void* d_w_up = nullptr;          // [El, I, H] d_w_type
+  void* d_w_down = nullptr;        // [El, H, I] d_w_type
+  GradType d_w_type = GradType::fp32;
   const void* dx_shared = nullptr; // optional [T, H] bf16, added into dx
   void* dx = nullptr;              // [T, H] bf16
   float* d_topk_w = nullptr;       // [T*k] fp32

@@ -221,6 +221,26 @@ struct StoreF32Epilogue {
   }
 };
 
+// bf16 weight gradient tiles: out[expert][row, col] = bf16(acc) over the tile's 256 columns.
+struct StoreBf16PlanesEpilogue {
+  struct Params {
+    StoreTensor out;
+  };
+
+  template <class Acc, class Coords>
+  static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
+                               bfloat16_t* staging) {
+    static_for<4>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+      store_chunk<32 * c>(staging, c, p.out, coords, 64 * c, t.m_block, 4 * t.n_block + c, t.expert, thread,
+                          [&](auto i_) {
+                            constexpr int i = decltype(i_)::value;
+                            return __floats2bfloat162_rn(acc(i), acc(i + 1));
+                          });
+    });
+  }
+};
+
 // Backward of the down projection's input side, fused with the SwiGLU backward. The accumulator
 // is dh = dy * W_down (unscaled) for 256 columns of I. With the saved g, u (bf16), h and the row's
 // router weight w (the same formulas and rounding points as reference.h):
