@@ -212,7 +212,8 @@ void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
           {detail::make_store_tma(bf(out), int(a_cols), int(b_cols), b_cols, int(El), a_cols * b_cols), int(a_cols),
            int(b_cols), int(El)}});
     } else {
-      run(static_cast<detail::StoreF32Epilogue*>(nullptr), detail::StoreF32Epilogue::Params{store_target_f32(static_cast<float*>(out), a_cols, b_cols, El)});
+      run(static_cast<detail::StoreF32Epilogue*>(nullptr),
+          detail::StoreF32Epilogue::Params{store_target_f32(static_cast<float*>(out), a_cols, b_cols, El)});
     }
   };
   if (R == 0) {  // no rows at all: every expert is empty (a TMA descriptor cannot have a zero extent)

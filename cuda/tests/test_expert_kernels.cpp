@@ -286,9 +286,9 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     cuda::experts_backward(a, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     ASSERT_EQ(dstatus.download()[0], 0);
-    EXPECT_EQ(first_bit_difference(hWg.download(), want_g), -1) << "bf16 dW_gate is not fp32 dW_gate rounded, run " << run;
-    EXPECT_EQ(first_bit_difference(hWu.download(), want_u), -1) << "bf16 dW_up is not fp32 dW_up rounded, run " << run;
-    EXPECT_EQ(first_bit_difference(hWd.download(), want_d), -1) << "bf16 dW_down is not fp32 dW_down rounded, run " << run;
+    EXPECT_EQ(first_bit_difference(hWg.download(), want_g), -1) << "bf16 dW_gate is not fp32's rounded, run " << run;
+    EXPECT_EQ(first_bit_difference(hWu.download(), want_u), -1) << "bf16 dW_up is not fp32's rounded, run " << run;
+    EXPECT_EQ(first_bit_difference(hWd.download(), want_d), -1) << "bf16 dW_down is not fp32's rounded, run " << run;
   }
 }
 

@@ -175,7 +175,8 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
     rc = _lib().mok_cuda_experts_backward(
         rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(gu), _ptr(h), _ptr(dy), _ptr(row_weight), _ptr(w_gate),
         _ptr(w_up), _ptr(w_down), _ptr(scratch.dgu), _ptr(scratch.hw), _ptr(scratch.dw_partial), _ptr(dx),
-        _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(swiglu_limit is not None),
+        _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16),
+        int(swiglu_limit is not None),
         float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream().cuda_stream, error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
