@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <string>
 #include <sstream>
@@ -21,6 +22,16 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
+
+// A development switch for an A/B on the GPU: MOK_EXPERIMENT_PULL_UNROLL=2 gives the comm warps 2
+// loads in flight per lane instead of 3. The same bits.
+int experiment_pull_unroll() {
+  static const int unroll = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_PULL_UNROLL");
+    return e != nullptr && std::string(e) == "2" ? 2 : 3;
+  }();
+  return unroll;
+}
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
 void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
@@ -327,6 +338,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   p.comm_ctas = comm;
   p.comm_warps = comm == 0 ? 1 : 0;
+  p.comm_unroll = experiment_pull_unroll();
   p.ranks = R;
   p.rank = me;
   p.topk = int(shape.topk);

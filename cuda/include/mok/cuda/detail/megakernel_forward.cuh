@@ -117,6 +117,7 @@ struct MegaForwardParams {
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
+  int32_t comm_unroll;               // their loads in flight per lane: 3, or 2 (an A/B switch)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -240,23 +241,24 @@ __device__ void pull_minibatches(const MegaForwardParams& p, int first, int stri
     const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
     uint4* ring = p.ring_x + int64_t(b % slots) * p.mb_rows * p.row_vectors;
     for (int r = row0 + first + warp; r < row1; r += stride) {
-      uint4* dst = ring + int64_t(r - row0) * p.row_vectors;
+      uint4* dst = ring + int64_t(r - row0) * p.row_vectors + lane;
       if (is_token_row(p, r)) {
-        const uint4* src = source_row(p, r);
-        for (int v0 = 0; v0 < p.row_vectors; v0 += 32 * kUnroll) {
+        // The lane's pieces lane, lane + 32, ...: `left` counts them down (fewer live registers
+        // than indices, for the comm warps' 40).
+        const uint4* src = source_row(p, r) + lane;
+        for (int left = p.row_vectors - lane; left > 0; left -= 32 * kUnroll) {
           uint4 part[kUnroll];
           CUTE_UNROLL
-          for (int u = 0; u < kUnroll; ++u) {
-            const int v = v0 + u * 32 + lane;
-            if (v < p.row_vectors) part[u] = src[v];
-          }
+          for (int u = 0; u < kUnroll; ++u)
+            if (32 * u < left) part[u] = src[32 * u];
           CUTE_UNROLL
-          for (int u = 0; u < kUnroll; ++u) {
-            const int v = v0 + u * 32 + lane;
-            if (v < p.row_vectors) dst[v] = part[u];
-          }
+          for (int u = 0; u < kUnroll; ++u)
+            if (32 * u < left) dst[32 * u] = part[u];
+          src += 32 * kUnroll;
+          dst += 32 * kUnroll;
         }
       } else {
+        dst -= lane;
         for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
       }
     }
@@ -277,14 +279,16 @@ __device__ void dispatch_role(const MegaForwardParams& p) {
 }
 
 // Comm warps: warps 1..3 of compute CTA `cta` of `ctas` (warp 0 issues the TMA loads). They run
-// within the producer warpgroup's 40 registers, so 2 loads in flight per lane (more spill; branch
-// exp/pull-unroll3 fits 3 with a slimmer loop, not yet run on a GPU).
+// within the producer warpgroup's 40 registers, so 3 loads in flight per lane (comm_unroll).
 inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 2;  // named barrier of their 96 threads
 __device__ void dispatch_warps(const MegaForwardParams& p, int cta, int ctas) {
   const int warp = threadIdx.x / 32 - 1;
-  pull_minibatches<2>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, [] {
-    asm volatile("bar.sync %0, %1;" ::"r"(kCommWarpsBarrier), "r"(32 * kCommWarps) : "memory");
-  });
+  auto sync = [] { asm volatile("bar.sync %0, %1;" ::"r"(kCommWarpsBarrier), "r"(32 * kCommWarps) : "memory"); };
+  if (p.comm_unroll == 2) {
+    pull_minibatches<2>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
+  } else {
+    pull_minibatches<3>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
+  }
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
