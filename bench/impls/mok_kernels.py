@@ -174,6 +174,57 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     return Runner(forward=forward, output=output, backward=backward)
 
 
+def _torch_memory_bytes(problem: Any, ctx: BenchContext) -> int:
+    """The `mok` row's local buffers and gradients, plus the workspace's own symmetric buffer."""
+    p = problem
+    layout = _cuda_kernels().symmetric_layout(p.x.shape[0], p.preset.H, p.preset.topk, p.ranks)
+    return _layer_memory_bytes(problem, ctx) + int(layout["total"])
+
+
+@register_impl("mok_torch", "layer", is_baseline=False, memory_bytes=_torch_memory_bytes,
+               description="mok.moe through torch autograd: what a PyTorch user runs (its workspace cache, "
+                           "the weight gradients in the weights' dtype)")
+def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
+    """The `mok` row's kernels as a PyTorch user gets them: ``mok.moe`` on the bench's group, and
+    ``torch.autograd.grad`` for the backward (a fresh forward before each, as for every impl). What
+    it adds over `mok`: the workspace lookup, the copies into the symmetric buffer, and the weight
+    gradients returned in the weights' dtype."""
+    if not ctx.runtime.is_cuda:
+        raise Skip("the MoK kernels need an sm_90a GPU")
+    if problem.case.precision != "bf16":
+        raise Skip(f"precision {problem.case.precision} not implemented yet")
+    try:
+        import mok
+        from mok import _cuda_layer
+
+        moe = mok.moe  # needs the package's compiled extension (tools/gpu.sh's pytest step builds it)
+    except Exception as error:
+        raise Skip(f"mok.moe is not importable here ({type(error).__name__}: {error})") from error
+    mok.clear_workspace_cache()  # the earlier cases' workspaces (each case has its own shapes)
+
+    p = problem
+    group = ctx.runtime.group if p.ranks > 1 else None
+    with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
+
+    def forward() -> torch.Tensor:
+        with torch.set_grad_enabled(with_backward):
+            return moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down,
+                       None if p.shared is None else tuple(p.shared), swiglu_limit=p.swiglu_limit, group=group)
+
+    def output(y: torch.Tensor) -> torch.Tensor:
+        _cuda_layer.check()  # a timed-out wait or a bad expert id is an error, not a number
+        return y.detach()
+
+    if not with_backward:
+        return Runner(forward=forward, output=output, backward=None,
+                      no_backward_reason="this case has no backward pass")
+
+    def backward(y: torch.Tensor) -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(y, p.grad_targets, p.d_y))
+
+    return Runner(forward=forward, output=output, backward=backward)
+
+
 @register_impl("mok_gemms", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
                description="MoK expert GEMMs alone on the rows the fused forward gathered (no communication)")
 def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
