@@ -33,6 +33,7 @@ struct RunConfig {
   double timeout_s = 5.0;
   std::vector<int> launch;  // ranks that launch (empty = all)
   bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
+  bool bf16_grads = false;  // the backward writes bf16 weight gradients (Outputs gets their values)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
@@ -46,6 +47,7 @@ struct Rank {
   // The backward's outputs.
   std::unique_ptr<DeviceBuffer<uint16_t>> dx;
   std::unique_ptr<DeviceBuffer<float>> d_topk_w, dwg, dwu, dwd;
+  std::unique_ptr<DeviceBuffer<uint16_t>> dwg16, dwu16, dwd16;  // bf16_grads
 };
 
 struct Outputs {
@@ -121,6 +123,14 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       rk.dwg->poison();
       rk.dwu->poison();
       rk.dwd->poison();
+      if (cfg.bf16_grads) {
+        rk.dwg16 = bf(El * I * H);
+        rk.dwu16 = bf(El * I * H);
+        rk.dwd16 = bf(El * H * I);
+        rk.dwg16->poison();
+        rk.dwu16->poison();
+        rk.dwd16->poison();
+      }
       std::vector<uint16_t> dy = to_bits((*cfg.dy)[r]);
       cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.dy), dy.data(), dy.size() * 2, cudaMemcpyHostToDevice);
     }
@@ -193,6 +203,12 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.d_w_gate = rk.dwg->ptr;
       b.d_w_up = rk.dwu->ptr;
       b.d_w_down = rk.dwd->ptr;
+      if (cfg.bf16_grads) {
+        b.d_w_gate = rk.dwg16->ptr;
+        b.d_w_up = rk.dwu16->ptr;
+        b.d_w_down = rk.dwd16->ptr;
+        b.d_w_type = cuda::GradType::bf16;
+      }
       b.dx = rk.dx->ptr;
       b.d_topk_w = rk.d_topk_w->ptr;
       b.epoch = uint32_t(2 * run);
@@ -228,9 +244,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       out.dx.push_back(rk.dx->download());
       out.d_topk_w.push_back(rk.d_topk_w->download());
       auto append = [](std::vector<float>& to, const std::vector<float>& v) { to.insert(to.end(), v.begin(), v.end()); };
-      append(out.dwg, rk.dwg->download());
-      append(out.dwu, rk.dwu->download());
-      append(out.dwd, rk.dwd->download());
+      append(out.dwg, cfg.bf16_grads ? from_bits(rk.dwg16->download()) : rk.dwg->download());
+      append(out.dwu, cfg.bf16_grads ? from_bits(rk.dwu16->download()) : rk.dwu->download());
+      append(out.dwd, cfg.bf16_grads ? from_bits(rk.dwd16->download()) : rk.dwd->download());
       int32_t experts = 0;
       cudaMemcpy(&experts, rk.buffers->experts_status(), 4, cudaMemcpyDeviceToHost);
       if (experts != 0) out.errors[r] += "expert backward status nonzero; ";
@@ -454,6 +470,16 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
   EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
   EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
+  // bf16 weight gradients: the fp32 ones rounded to nearest even, bit for bit; dx and d topk_w as before.
+  cfg.bf16_grads = true;
+  const Outputs h = run_forward(in, cfg, 1);
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    ASSERT_EQ(h.errors[r], "") << "rank " << r << " (bf16 weight gradients)";
+    EXPECT_EQ(first_bit_difference(a.dx[r], h.dx[r]), -1) << "dx rank " << r << " (bf16 weight gradients)";
+  }
+  EXPECT_EQ(first_bit_difference(to_bits(a.dwg), to_bits(h.dwg)), -1) << "bf16 dW_gate is not fp32's rounded";
+  EXPECT_EQ(first_bit_difference(to_bits(a.dwu), to_bits(h.dwu)), -1) << "bf16 dW_up is not fp32's rounded";
+  EXPECT_EQ(first_bit_difference(to_bits(a.dwd), to_bits(h.dwd)), -1) << "bf16 dW_down is not fp32's rounded";
 }
 
 INSTANTIATE_TEST_SUITE_P(
