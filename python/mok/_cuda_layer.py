@@ -13,7 +13,8 @@ do not collide. The shared expert runs in torch; its output enters the combine.
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
 handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing;
 ``save_context=False`` keeps only the inputs and runs the forward again at the start of the
-backward. *Planned:* the fused backward with replay.
+backward. *Planned:* the fused backward, and a replay of the rows beyond the ring instead of keeping
+every row (today the training forward keeps every row's x, g|u and h; see `mok plan`).
 
 What the ranks agree on: a workspace's shapes and plan, once, when it is made (a host sync). A
 later call is not compared across ranks (that would cost a host sync per call): a rank whose

@@ -213,10 +213,16 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
     if (fit < cfg.minibatch_rows) why << " (raised to one minibatch)";
   }
   cfg.keeps_forward_context = cfg.ring_rows >= cfg.expected_rows;
-  why << "; " << (cfg.keeps_forward_context
-                      ? "the expected rows all fit: the backward keeps the forward's intermediates"
-                      : "rows beyond the ring are replayed (recomputed) in the backward")
-      << "\n";
+  // As built, the training forward keeps every row's x, g|u and h outside the ring, whatever the
+  // ring holds (the replay of rows beyond the ring is planned; save_context=False recomputes the
+  // whole forward instead).
+  const int64_t context_bytes = cfg.expected_rows * (2 * desc.hidden + 6 * desc.intermediate);
+  why << "; " << (cfg.keeps_forward_context ? "the expected rows all fit the ring"
+                                            : "the expected rows do not all fit the ring")
+      << "\n- training context: the forward keeps x, g|u and h of every row for the backward, "
+      << format_bytes(static_cast<double>(context_bytes))
+      << " per rank under balanced routing (outside the ring; save_context=False keeps none and "
+         "recomputes the forward)\n";
   why << "- schedule table: sized for " << cfg.schedule_capacity_rows
       << " rows (R*T*k plus padding): any routing skew fits, nothing is dropped\n";
 
@@ -230,7 +236,7 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
       << format_bytes(static_cast<double>(cfg.workspace.total())) << "\n";
 
   cfg.forward = forward_cost(desc, device);
-  cfg.backward = backward_cost(desc, device, !cfg.keeps_forward_context);
+  cfg.backward = backward_cost(desc, device, /*replays=*/false);  // the context is kept (above)
   auto describe = [&](const char* name, const PassCost& c) {
     why << "- " << name << ": " << fmt("%.3g", c.flops / 1e12) << " TFLOP ("
         << fmt("%.3f", c.gemm_ms) << " ms), HBM " << format_bytes(c.hbm_bytes) << " ("

@@ -33,6 +33,13 @@ TEST(Planner, KimiK2OnTwoH200s) {
   EXPECT_DOUBLE_EQ(c.forward.nvlink_bytes, 2.0 * 65536 * 7168 * 2 * 0.5);
   EXPECT_NE(c.explanation.find("minibatch: 2176 rows"), std::string::npos) << c.explanation;
   EXPECT_NE(c.explanation.find("comm SMs: 0: 3 warps of every CTA pull the rows"), std::string::npos);
+  // The kept context, 65536 rows x (2H + 6I) = 65536 x 26624 bytes = 1.62 GiB, and a backward with
+  // no replay: 12 * (T*k*I + T*Is) * H flops.
+  EXPECT_NE(c.explanation.find("training context: the forward keeps x, g|u and h of every row for the backward, "
+                               "1.62 GiB per rank"),
+            std::string::npos)
+      << c.explanation;
+  EXPECT_DOUBLE_EQ(c.backward.flops, 12.0 * 7168 * 2048 * (65536 + 8192));
 }
 
 TEST(Planner, OneRankUsesALocalGather) {

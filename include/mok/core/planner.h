@@ -71,7 +71,8 @@ struct MoeConfig {
   int64_t ring_row_bytes = 0;      // bytes the ring keeps per row (the larger of fwd and bwd)
   int64_t expected_rows = 0;       // rows per rank under balanced routing (T*k)
   int64_t schedule_capacity_rows = 0;
-  bool keeps_forward_context = false;  // all expected rows fit the ring: the backward replays nothing
+  bool keeps_forward_context = false;  // all expected rows fit the ring (as built the training forward
+                                       // keeps every row's context outside the ring either way)
   WorkspaceBytes workspace;
   PassCost forward, backward;
   std::string explanation;  // why, in plain text
