@@ -22,6 +22,9 @@ using host_util::bf;
 using host_util::ceil_div;
 using host_util::check;
 
+// The megakernel's dynamic shared memory: one expert GEMM CTA's (stages, staging tiles, schedule).
+using ForwardSharedStorage = detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>;
+constexpr int kForwardSmem = static_cast<int>(sizeof(ForwardSharedStorage));
 
 // A development switch for an A/B on the GPU: MOK_EXPERIMENT_PULL_UNROLL=2 gives the comm warps 2
 // loads in flight per lane instead of 3. The same bits.
@@ -210,7 +213,7 @@ void preload_kernels() {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
   check(cudaFuncSetAttribute(detail::megakernel_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>))),
+                             kForwardSmem),
         "load the megakernel");
   loaded.fetch_or(bit, std::memory_order_release);
 }
@@ -255,7 +258,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
   auto kernel = detail::megakernel_forward_kernel;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>));
+  const int smem = kForwardSmem;
 
   // Everything is checked before the first launch: a throw after the start barrier would leave
   // the other ranks waiting for this one's pushes.

@@ -233,12 +233,13 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
         y = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
-        leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves)):
+        if not needs_grad:
             return y
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
@@ -247,7 +248,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         if s_gate is not None and s_up is not None and s_down is not None:
             y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
-        leaves = (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
+        if not needs_grad:
             return _run_forward(ws, *args, y_shared, None)
         return _FusedMoe.apply(*args, y_shared, ws, save_context)
