@@ -2,6 +2,7 @@
 // with ctypes; torch tensors pass their data pointers and the current stream). Errors come back as
 // a nonzero return and a message in `error`, never as an exception across the C boundary.
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -278,6 +279,10 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       h->buffers->wire(b);
       b.swiglu_limit = a.swiglu_limit;
       b.timeout_s = timeout_s;
+      b.num_sms = a.num_sms;
+      // A development switch for same-process A/Bs on the GPU: the backward's stage kernels.
+      const char* path = std::getenv("MOK_EXPERIMENT_BACKWARD");
+      b.fused = !(path != nullptr && std::string(path) == "stages");
     }
     if (plan_text != nullptr && plan_len > 0) {
       std::ostringstream text;

@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "launch_util.h"
-#include "mok/cuda/detail/megakernel_forward.cuh"
+#include "mok/cuda/detail/megakernel_backward.cuh"
 #include "mok/cuda/expert_kernels.h"
 
 namespace mok::cuda {
@@ -25,16 +25,8 @@ using host_util::check;
 // The megakernel's dynamic shared memory: one expert GEMM CTA's (stages, staging tiles, schedule).
 using ForwardSharedStorage = detail::GroupedGemmSharedStorage<detail::ForwardMainloop::Element>;
 constexpr int kForwardSmem = static_cast<int>(sizeof(ForwardSharedStorage));
-
-// A development switch for an A/B on the GPU: MOK_EXPERIMENT_PULL_UNROLL=2 gives the comm warps 2
-// loads in flight per lane instead of 3. The same bits.
-int experiment_pull_unroll() {
-  static const int unroll = [] {
-    const char* e = std::getenv("MOK_EXPERIMENT_PULL_UNROLL");
-    return e != nullptr && std::string(e) == "2" ? 2 : 3;
-  }();
-  return unroll;
-}
+constexpr int kBackwardSmem =
+    static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::BackwardDgradMainloop::Element>));
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
 void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
@@ -185,6 +177,8 @@ void FusedBuffers::wire(MoeBackwardArgs& b) const {
   b.src_rank = static_cast<const int32_t*>(at(o_.src_rank));
   b.src_slot = static_cast<const int32_t*>(at(o_.src_slot));
   b.row_capacity = capacity_;
+  b.minibatch_rows = minibatch_rows_;
+  b.counters = static_cast<uint32_t*>(at(o_.counters));
   if (ring_rows_ >= capacity_) {  // every row kept at its schedule position
     b.x_rows = ring_x();
     b.h = ring_h();
@@ -212,9 +206,12 @@ void preload_kernels() {
   preload_expert_kernels();
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
-  check(cudaFuncSetAttribute(detail::megakernel_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  check(cudaFuncSetAttribute(detail::megakernel_kernel<detail::ForwardPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              kForwardSmem),
         "load the megakernel");
+  check(cudaFuncSetAttribute(detail::megakernel_kernel<detail::BackwardPass>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem),
+        "load the backward megakernel");
   loaded.fetch_or(bit, std::memory_order_release);
 }
 
@@ -257,7 +254,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
-  auto kernel = detail::megakernel_forward_kernel;
+  auto kernel = detail::megakernel_kernel<detail::ForwardPass>;
   const int smem = kForwardSmem;
 
   // Everything is checked before the first launch: a throw after the start barrier would leave
@@ -318,16 +315,16 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   using Mainloop = detail::ForwardMainloop;
   const int64_t ring = a.ring_rows, cap = a.row_capacity;
   detail::MegaForwardParams p{};
-  p.gu_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_x), int(ring), int(H)),
+  p.first_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_x), int(ring), int(H)),
                                Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
                                Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(ring), int(H), int(I), int(El),
                                /*b1_row_shift=*/0};
-  p.down_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_h), int(ring), int(I)),
+  p.second_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_h), int(ring), int(I)),
                                  Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
                                  Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(ring), int(I), int(H),
                                  int(El), /*b1_row_shift=*/1};
   void* gu = a.gu != nullptr ? a.gu : a.ring_h;  // a valid pointer for the unused descriptors
-  p.gu_store = detail::SwiGluEpilogue::Params{
+  p.first_store = detail::SwiGluEpilogue::Params{
       host_util::store_target(a.ring_h, ring, I, I), host_util::store_target(gu, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
@@ -341,7 +338,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   p.comm_ctas = comm;
   p.comm_warps = comm == 0 ? 1 : 0;
-  p.comm_unroll = experiment_pull_unroll();
   p.ranks = R;
   p.rank = me;
   p.topk = int(shape.topk);
@@ -379,6 +375,75 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   combine_epilogue(c, stream);
 }
 
+namespace {
+
+// The backward's dgrad megakernel (detail/megakernel_backward.cuh) on this rank's kept rows.
+void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t stream) {
+  using Mainloop = detail::BackwardDgradMainloop;
+  constexpr int kOnePlane = 1 << 30;
+  const RoutingShape& shape = a.shape;
+  const int R = int(shape.ranks), me = int(a.rank);
+  const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;
+  const SymmetricLayout& l = a.layout;
+  const int64_t M = a.minibatch_rows;
+  const CounterLayout counters = counter_layout(cap, M);
+  const int dw_blocks = int(dw_partial_blocks(I));
+  detail::MegaBackwardParams p{};
+  p.first_load = Mainloop::Params{Mainloop::make_a(bf(a.dy_rows), int(cap), int(H), 1, H, 0),
+                                  Mainloop::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
+                                  Mainloop::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
+                                  int(cap), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
+  p.second_load = Mainloop::Params{Mainloop::make_a(bf(a.dgu), int(cap), int(I), 2, 2 * I, I),
+                                   Mainloop::make_b(bf(a.w_gate), int(H), int(I), int(El), H, I * H),
+                                   Mainloop::make_b(bf(a.w_up), int(H), int(I), int(El), H, I * H),
+                                   int(cap), int(I), 2, int(H), int(I), int(El), ceil_div(I, Mainloop::kBlockK),
+                                   /*b_by_expert=*/1};
+  p.first_store = detail::SwiGluBackwardEpilogue::Params{
+      static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
+      static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
+      a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  p.experts = int(El);
+  p.row_capacity = int(cap);
+  p.mb_rows = int(M);
+  p.ring_rows = int(counters.minibatches * M);  // one slot per minibatch: every row is kept
+  p.n_first = dw_blocks;
+  p.n_second = ceil_div(H, GemmConfig::kBlockN);
+  p.k_first = ceil_div(H, Mainloop::kBlockK);
+  p.k_second = 2 * ceil_div(I, Mainloop::kBlockK);
+  p.comm_ctas = 0;
+  p.comm_warps = 1;
+  p.ranks = R;
+  p.rank = me;
+  p.topk = int(shape.topk);
+  p.slots = int(shape.slots());
+  p.hidden = int(H);
+  p.row_vectors = int(H / 8);
+  p.offsets = a.expert_offsets;
+  p.src_rank = a.src_rank;
+  p.src_slot = a.src_slot;
+  p.ring_x = static_cast<uint4*>(a.dy_rows);
+  p.row_weight = a.row_weight;
+  p.x_ready = a.counters + counters.x_ready();
+  p.y_done = a.counters + counters.y_done();
+  p.h_ready = a.counters + counters.h_ready();
+  p.done_ctas = a.counters + counters.done_ctas();
+  p.epoch = a.epoch;
+  p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+  for (int s = 0; s < R; ++s) {
+    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[s], l.dy);
+    p.topk_w[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
+    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.dx_slots);
+    p.dw_slots[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
+    p.arrived[s] = signal_word(a.bases[s], l.dx_arrived(me));
+  }
+  void* args[] = {&p};
+  check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(detail::megakernel_kernel<detail::BackwardPass>),
+                                    dim3(sms), dim3(GemmConfig::kThreads), args, kBackwardSmem, stream),
+        "launch the backward megakernel (cooperative: all CTAs resident)");
+}
+
+}  // namespace
+
 std::string can_implement(const MoeBackwardArgs& a) {
   std::ostringstream why;
   why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
@@ -388,6 +453,11 @@ std::string can_implement(const MoeBackwardArgs& a) {
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
     why << "scratch, outputs, schedule and status pointers must be set; ";
+  if (a.fused) {
+    if (a.minibatch_rows < GemmConfig::kBlockM || a.minibatch_rows % GemmConfig::kBlockM != 0)
+      why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
+    if (a.counters == nullptr) why << "counters must be set (the fused backward's); ";
+  }
   return host_util::trimmed(why.str());
 }
 
@@ -467,6 +537,11 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg)})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+  const int device_sms = host_util::device_sms(0);
+  const int sms = host_util::device_sms(a.num_sms);
+  if (a.fused && sms > device_sms)
+    throw std::invalid_argument("mok moe_backward: num_sms " + std::to_string(sms) + " exceeds the device's " +
+                                std::to_string(device_sms) + " SMs (one resident CTA per SM)");
 
   // 0. This rank's dy is finite (else every rank's non-finite key names the element; the call runs on).
   unsigned long long* keys[kMaxRanks];
@@ -477,15 +552,28 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
-  // 2-4. Pull, the expert backward, push.
-  gather_rows(g, stream);
-  experts_backward(e, stream);
-  scatter_rows(sc, stream);
-  scatter_row_values(sv, stream);
-  // 5. Tell every source its slots from this rank are written; wait for every rank's.
-  barrier(R, a.epoch, status, detail::kWaitGrads, true,
-          [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
-          [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
+  if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
+    // 2. The dgrad megakernel: pull dy, dh with the SwiGLU backward, dx pushed; its last CTA
+    //    tells every source rank.
+    check(cudaMemsetAsync(a.counters, 0, counter_layout(cap, a.minibatch_rows).words() * sizeof(uint32_t), stream),
+          "zero the counters");
+    launch_backward_megakernel(a, sms, stream);
+    // 3. The weight gradients, while the peers' pushes land.
+    experts_wgrad(e, stream);
+    // 4. Every rank's pushes for this rank's tokens have landed.
+    barrier(R, a.epoch, status, detail::kWaitGrads, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
+            [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
+  } else {
+    // 2-4. Pull, the expert backward, push.
+    gather_rows(g, stream);
+    experts_backward(e, stream);
+    scatter_rows(sc, stream);
+    scatter_row_values(sv, stream);
+    // 5. Tell every source its slots from this rank are written; wait for every rank's.
+    barrier(R, a.epoch, status, detail::kWaitGrads, true,
+            [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
+            [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
+  }
   // 6. The dx sum; d topk_w is the slots themselves.
   dispatch_grad_epilogue(dg, stream);
   if (shape.slots() > 0)

@@ -34,6 +34,7 @@ struct RunConfig {
   std::vector<int> launch;  // ranks that launch (empty = all)
   bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
   bool bf16_grads = false;  // the backward writes bf16 weight gradients (Outputs gets their values)
+  bool stage_backward = false;  // the backward's stage kernels instead of its dgrad megakernel
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
@@ -212,6 +213,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.dx = rk.dx->ptr;
       b.d_topk_w = rk.d_topk_w->ptr;
       b.epoch = uint32_t(2 * run);
+      b.num_sms = ctas;
+      b.fused = !cfg.stage_backward;
       b.swiglu_limit = d.swiglu_limit;
       b.timeout_s = cfg.timeout_s;
       try {
@@ -470,6 +473,23 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
   EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
   EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
+  // The stage kernels, and the dgrad megakernel with other minibatches: the same bits.
+  for (const auto& [stages, minibatch] : {std::pair{true, int64_t(128)}, std::pair{false, int64_t(256)},
+                                          std::pair{false, int64_t(384)}}) {
+    RunConfig other = cfg;
+    other.stage_backward = stages;
+    other.minibatch_rows = minibatch;
+    const Outputs o = run_forward(in, other, 1);
+    const std::string how = stages ? " (stage kernels)" : " (minibatch " + std::to_string(minibatch) + ")";
+    for (int r = 0; r < c.desc.ranks; ++r) {
+      ASSERT_EQ(o.errors[r], "") << "rank " << r << how;
+      EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << "dx rank " << r << how;
+      EXPECT_EQ(first_bit_difference(a.d_topk_w[r], o.d_topk_w[r]), -1) << "d topk_w rank " << r << how;
+    }
+    EXPECT_EQ(first_bit_difference(a.dwg, o.dwg), -1) << "dW_gate" << how;
+    EXPECT_EQ(first_bit_difference(a.dwu, o.dwu), -1) << "dW_up" << how;
+    EXPECT_EQ(first_bit_difference(a.dwd, o.dwd), -1) << "dW_down" << how;
+  }
   // bf16 weight gradients: the fp32 ones rounded to nearest even, bit for bit; dx and d topk_w as before.
   cfg.bf16_grads = true;
   const Outputs h = run_forward(in, cfg, 1);

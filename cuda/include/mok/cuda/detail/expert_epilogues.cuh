@@ -366,7 +366,10 @@ struct SwiGluBackwardEpilogue {
         static_for<8>([&](auto j) {
           constexpr int i = 16 * c + 2 * decltype(j)::value;
           const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 32 * c;
-          *reinterpret_cast<float2*>(&sC(r, col)) = make_float2(acc(i), acc(i + 1));
+          // A 32-bit shared-window address (one register, where a generic pointer takes two: the
+          // compiler keeps these addresses across the rounds).
+          const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(&sC(r, col)));
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
         });
       });
       consumers_sync();

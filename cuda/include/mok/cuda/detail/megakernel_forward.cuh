@@ -110,14 +110,14 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
 }
 
 struct MegaForwardParams {
-  ForwardMainloop::Params gu_load, down_load;
-  SwiGluEpilogue::Params gu_store;  // h into the ring; g|u (optional) at global rows
+  static constexpr bool kPullsRowWeights = false;  // the backward's pull also copies each row's topk_w
+  ForwardMainloop::Params first_load, second_load;  // gate|up, down
+  SwiGluEpilogue::Params first_store;  // h into the ring; g|u (optional) at global rows
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
-  int32_t comm_unroll;               // their loads in flight per lane: 3, or 2 (an A/B switch)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -136,7 +136,8 @@ struct MegaForwardParams {
 
 // The schedule's rows, or 0 when the offsets are malformed (the compute CTAs then do nothing
 // either, and the status word says why).
-__device__ __forceinline__ int scheduled_rows(const MegaForwardParams& p) {
+template <class Params>
+__device__ __forceinline__ int scheduled_rows(const Params& p) {
   const int used = p.offsets[p.experts];
   return (used < 0 || used > p.row_capacity || used % GemmConfig::kBlockM != 0) ? 0 : used;
 }
@@ -206,11 +207,13 @@ struct MegaTasks {
 
 // ---- dispatch: comm CTAs pull the rows of each minibatch into its ring slot ----
 // Whether schedule row r is a token row (else a padding row, zero in the ring).
-__device__ __forceinline__ bool is_token_row(const MegaForwardParams& p, int r) {
+template <class Params>
+__device__ __forceinline__ bool is_token_row(const Params& p, int r) {
   const int rank = p.src_rank[r], slot = p.src_slot[r];
   return rank >= 0 && rank < p.ranks && slot >= 0 && slot < p.slots;
 }
-__device__ __forceinline__ const uint4* source_row(const MegaForwardParams& p, int r) {
+template <class Params>
+__device__ __forceinline__ const uint4* source_row(const Params& p, int r) {
   return p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
 }
 
@@ -220,8 +223,8 @@ __device__ __forceinline__ const uint4* source_row(const MegaForwardParams& p, i
 // and once the team synchronized (sync) the leader counts it in x_ready[b].
 // Teams: a comm CTA (all its warps), or the 3 warps of a compute CTA's producer warpgroup that do
 // not issue TMA loads (comm_warps).
-template <int kUnroll, class Sync>
-__device__ void pull_minibatches(const MegaForwardParams& p, int first, int stride, int warp, bool leader, Sync sync) {
+template <int kUnroll, class Params, class Sync>
+__device__ void pull_minibatches(const Params& p, int first, int stride, int warp, bool leader, Sync sync) {
   const int lane = threadIdx.x % 32;
   const int used = scheduled_rows(p);
   const int mb = p.mb_rows / GemmConfig::kBlockM;
@@ -242,7 +245,11 @@ __device__ void pull_minibatches(const MegaForwardParams& p, int first, int stri
     uint4* ring = p.ring_x + int64_t(b % slots) * p.mb_rows * p.row_vectors;
     for (int r = row0 + first + warp; r < row1; r += stride) {
       uint4* dst = ring + int64_t(r - row0) * p.row_vectors + lane;
-      if (is_token_row(p, r)) {
+      const bool token = is_token_row(p, r);
+      if constexpr (Params::kPullsRowWeights) {  // the router weight of the row (0 for padding)
+        if (lane == 0) p.row_weight[r] = token ? p.topk_w[p.src_rank[r]][p.src_slot[r]] : 0.0f;
+      }
+      if (token) {
         // The lane's pieces lane, lane + 32, ...: `left` counts them down (fewer live registers
         // than indices, for the comm warps' 40).
         const uint4* src = source_row(p, r) + lane;
@@ -272,23 +279,22 @@ __device__ void pull_minibatches(const MegaForwardParams& p, int first, int stri
 }
 
 // A comm CTA: every warp pulls.
-__device__ void dispatch_role(const MegaForwardParams& p) {
+template <class Params>
+__device__ void dispatch_role(const Params& p) {
   const int warps = blockDim.x / 32;
   pull_minibatches<8>(p, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0,
                       [] { __syncthreads(); });
 }
 
 // Comm warps: warps 1..3 of compute CTA `cta` of `ctas` (warp 0 issues the TMA loads). They run
-// within the producer warpgroup's 40 registers, so 3 loads in flight per lane (comm_unroll).
+// within the producer warpgroup's 40 registers, so 3 loads in flight per lane (2 measured the same:
+// bench/results/2026-11-30-h200-session6).
 inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 2;  // named barrier of their 96 threads
-__device__ void dispatch_warps(const MegaForwardParams& p, int cta, int ctas) {
+template <class Params>
+__device__ void dispatch_warps(const Params& p, int cta, int ctas) {
   const int warp = threadIdx.x / 32 - 1;
   auto sync = [] { asm volatile("bar.sync %0, %1;" ::"r"(kCommWarpsBarrier), "r"(32 * kCommWarps) : "memory"); };
-  if (p.comm_unroll == 2) {
-    pull_minibatches<2>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
-  } else {
-    pull_minibatches<3>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
-  }
+  pull_minibatches<3>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
@@ -343,8 +349,39 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
   });
 }
 
+// The forward pass: gate|up with the SwiGLU epilogue (h into the ring, its row block counted in
+// h_ready once stored), then down with the combine push. A pass (this, megakernel_backward.cuh's
+// BackwardPass) gives megakernel_kernel its Params, its Mainloop and the two epilogues.
+struct ForwardPass {
+  using Params = MegaForwardParams;
+  using Mainloop = ForwardMainloop;
+
+  template <class Acc, class Coords>
+  static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
+                                        int thread, bfloat16_t* staging) {
+    SwiGluEpilogue::apply(p.first_store, task.tile, acc, coords, thread, staging);
+    if (thread == 0) {
+      // h of this tile is in global memory (not only read out of shared memory) before the
+      // count. h's chunks are the epilogue's last, so this waits for every group (measured on
+      // 2 H200s: waiting only for h's, when they came first, changed nothing).
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      fence_proxy_async();
+      __threadfence();
+      add_release_gpu(&p.h_ready[task.row_block], 1);
+    }
+  }
+  template <class Acc, class Coords>
+  static __device__ void second_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
+                                         int thread, bfloat16_t* staging) {
+    push_rows(CombineTarget{p}, task.row_block, task.tile.n_block, acc, coords, thread, staging);
+  }
+};
+
+// One rank's pass of two chained grouped GEMMs with its communication (see the top of this file).
+template <class Pass>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
-    megakernel_forward_kernel(const __grid_constant__ MegaForwardParams p) {
+    megakernel_kernel(const __grid_constant__ typename Pass::Params p) {
+  using Mainloop = typename Pass::Mainloop;
   using Pipeline = GemmConfig::Pipeline;
   constexpr int kStages = GemmConfig::kStages;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -352,7 +389,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     dispatch_role(p);
     return;
   }
-  using SharedStorage = GroupedGemmSharedStorage<ForwardMainloop::Element>;
+  using SharedStorage = GroupedGemmSharedStorage<typename Mainloop::Element>;
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
@@ -363,19 +400,19 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         smem.tiles, p.offsets, p.experts, p.row_capacity);
     if (bad != 0 && threadIdx.x == 0 && cta == 0) atomicCAS(p.status.words, 0, bad);
     if (threadIdx.x == 0) {
-      ForwardMainloop::prefetch(p.gu_load);
-      ForwardMainloop::prefetch(p.down_load);
+      Mainloop::prefetch(p.first_load);
+      Mainloop::prefetch(p.second_load);
     }
   }
   typename Pipeline::Params pp;
-  pp.transaction_bytes = ForwardMainloop::Operand::kStageBytes;
+  pp.transaction_bytes = Mainloop::Operand::kStageBytes;
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
   Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
 
-  const MegaTasks<MegaForwardParams> tasks{p, smem.tiles};
+  const MegaTasks<typename Pass::Params> tasks{p, smem.tiles};
   const int total = tasks.total();
 
   if (warpgroup == 0) {
@@ -393,10 +430,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           wait_at_least<false>(&p.x_ready[task.minibatch], teams, p.status, kWaitRows, task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
-        const ForwardMainloop::Params& load = task.second ? p.down_load : p.gu_load;
+        const typename Mainloop::Params& load = task.second ? p.second_load : p.first_load;
         for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
           pipeline.producer_acquire(state);
-          ForwardMainloop::load(load, smem.a, smem.b, task.tile, kb, state.index(), *pipeline.producer_get_barrier(state));
+          Mainloop::load(load, smem.a, smem.b, task.tile, kb, state.index(), *pipeline.producer_get_barrier(state));
           ++state;
         }
       }
@@ -405,10 +442,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
     const int consumer_thread = threadIdx.x - 128;
-    ExpertTiledMma<ForwardMainloop::Element, GMMA::Major::K, GMMA::Major::K> mma;
+    ExpertTiledMma<typename Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
     auto thr = mma.get_thread_slice(consumer_thread);
-    Tensor sA = make_tensor(make_smem_ptr(smem.a), ForwardMainloop::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(smem.b), ForwardMainloop::SmemLayoutB{});
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Mainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Mainloop::SmemLayoutB{});
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     Tensor cC = make_identity_tensor(Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
@@ -446,19 +483,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       warpgroup_fence_operand(acc);
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
-        SwiGluEpilogue::apply(p.gu_store, task.tile, acc, tCcC, consumer_thread, smem.staging[0]);
-        if (consumer_thread == 0) {
-          // h of this tile is in global memory (not only read out of shared memory) before the
-          // count. h's chunks are the epilogue's last, so this waits for every group (measured on
-          // 2 H200s: waiting only for h's, when they came first, changed nothing).
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-          fence_proxy_async();
-          __threadfence();
-          add_release_gpu(&p.h_ready[task.row_block], 1);
-        }
+        Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
       } else {
-        push_rows(CombineTarget{p}, task.row_block, task.tile.n_block, acc, tCcC, consumer_thread, smem.staging[0]);
-        consumers_sync();  // every thread has read h (mainloop) and issued its stores
+        Pass::second_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
+        consumers_sync();  // every thread has read its A rows (mainloop) and issued its stores
         if (consumer_thread == 0) add_release_gpu(&p.y_done[task.minibatch], 1);
       }
     }
