@@ -50,6 +50,17 @@ CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
 
 uint32_t* signal_word(void* base, int64_t offset) { return SymmetricLayout::at<uint32_t>(base, offset); }
 
+// A development switch for timing only (the results are WRONG): MOK_EXPERIMENT_LOCAL=pull|push|both
+// makes the megakernels pull rows from / push rows to this rank's own buffers instead of the
+// source ranks', to measure what the NVLink traffic costs the fused passes.
+int experiment_local_peer(const char* which, int me, int s) {
+  static const std::string mode = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_LOCAL");
+    return std::string(e != nullptr ? e : "");
+  }();
+  return mode == "both" || mode == which ? me : s;
+}
+
 // One single-block kernel: signal (optionally) and wait on one word per rank.
 template <class FlagOf, class MineOf>
 void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_t code, bool signal,
@@ -355,8 +366,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.epoch = a.epoch;
   p.status = status;
   for (int s = 0; s < R; ++s) {
-    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[s], l.x);
-    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.combine);
+    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.x);
+    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], l.combine);
     p.arrived[s] = signal_word(a.bases[s], l.combine_arrived(me));
   }
   // A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
@@ -430,9 +441,9 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
   p.epoch = a.epoch;
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
   for (int s = 0; s < R; ++s) {
-    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[s], l.dy);
+    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.dy);
     p.topk_w[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
-    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[s], l.dx_slots);
+    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], l.dx_slots);
     p.dw_slots[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
     p.arrived[s] = signal_word(a.bases[s], l.dx_arrived(me));
   }
