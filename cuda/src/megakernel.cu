@@ -388,7 +388,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
 
 namespace {
 
-// The backward's dgrad megakernel (detail/megakernel_backward.cuh) on this rank's kept rows.
+// The backward megakernel (detail/megakernel_backward.cuh) on this rank's kept rows.
 void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t stream) {
   using Mainloop = detail::BackwardDgradMainloop;
   constexpr int kOnePlane = 1 << 30;
@@ -413,6 +413,34 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
       static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
       static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
       a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  // The weight gradients, as experts_wgrad computes them: A and B read transposed (MN-major).
+  using Wgrad = detail::BackwardWgradMainloop;
+  constexpr int kOnePlaneW = 1 << 30;
+  auto wgrad_load = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols) {
+    return Wgrad::Params{Wgrad::make_a(bf(a_ptr), int(a_cols), int(cap), 1, a_row_stride, 0),
+                         Wgrad::make_b(bf(b_ptr), int(b_cols), int(cap), 1, b_cols, 0),
+                         Wgrad::make_b(bf(b_ptr), int(b_cols), int(cap), 1, b_cols, 0),
+                         int(a_cols), int(cap), 1, int(b_cols), int(cap), 1, kOnePlaneW, /*b_by_expert=*/0};
+  };
+  p.wgrad_load[0] = wgrad_load(a.dgu, I, 2 * I, a.x_rows, H);
+  p.wgrad_load[1] = wgrad_load(bf(a.dgu) + I, I, 2 * I, a.x_rows, H);
+  p.wgrad_load[2] = wgrad_load(a.dy_rows, H, H, a.hw, I);
+  void* const outs[3] = {a.d_w_gate, a.d_w_up, a.d_w_down};
+  const int64_t out_rows[3] = {I, I, H}, out_cols[3] = {H, H, I};
+  p.wgrad_bf16_out = a.d_w_type == GradType::bf16 ? 1 : 0;
+  for (int g = 0; g < 3; ++g) {  // both kinds of store are set (valid descriptors); one is used
+    const int64_t rows = out_rows[g], cols = out_cols[g];
+    p.wgrad_bf16[g] = detail::StoreBf16PlanesEpilogue::Params{
+        {detail::make_store_tma(bf(outs[g]), int(rows), int(cols), cols, int(El), rows * cols), int(rows), int(cols),
+         int(El)}};
+    p.wgrad_f32[g] = detail::StoreF32Epilogue::Params{
+        {detail::make_store_tma_f32(static_cast<float*>(outs[g]), int(rows), int(cols), cols, int(El), rows * cols),
+         int(rows), int(cols), int(El)}};
+  }
+  p.wg_m = ceil_div(I, GemmConfig::kBlockM);
+  p.wg_n = ceil_div(H, GemmConfig::kBlockN);
+  p.wd_m = ceil_div(H, GemmConfig::kBlockM);
+  p.wd_n = ceil_div(I, GemmConfig::kBlockN);
   p.experts = int(El);
   p.row_capacity = int(cap);
   p.mb_rows = int(M);
@@ -564,14 +592,12 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
   if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
-    // 2. The dgrad megakernel: pull dy, dh with the SwiGLU backward, dx pushed; its last CTA
-    //    tells every source rank.
+    // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the
+    //    weight gradients; its last CTA tells every source rank.
     check(cudaMemsetAsync(a.counters, 0, counter_layout(cap, a.minibatch_rows).words() * sizeof(uint32_t), stream),
           "zero the counters");
     launch_backward_megakernel(a, sms, stream);
-    // 3. The weight gradients, while the peers' pushes land.
-    experts_wgrad(e, stream);
-    // 4. Every rank's pushes for this rank's tokens have landed.
+    // 3. Every rank's pushes for this rank's tokens have landed.
     barrier(R, a.epoch, status, detail::kWaitGrads, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
             [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
   } else {

@@ -34,7 +34,7 @@ struct RunConfig {
   std::vector<int> launch;  // ranks that launch (empty = all)
   bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
   bool bf16_grads = false;  // the backward writes bf16 weight gradients (Outputs gets their values)
-  bool stage_backward = false;  // the backward's stage kernels instead of its dgrad megakernel
+  bool stage_backward = false;  // the backward's stage kernels instead of its megakernel
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
@@ -473,7 +473,7 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
   EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
   EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
-  // The stage kernels, and the dgrad megakernel with other minibatches: the same bits.
+  // The stage kernels, and the backward megakernel with other minibatches: the same bits.
   for (const auto& [stages, minibatch] : {std::pair{true, int64_t(128)}, std::pair{false, int64_t(256)},
                                           std::pair{false, int64_t(384)}}) {
     RunConfig other = cfg;

@@ -70,13 +70,13 @@ struct MoeForwardArgs {
 
 // The backward of a forward that kept its rows (ring_rows >= row_capacity: ring_x and ring_h hold
 // every row at its schedule position, gu was saved), one call per rank: start barrier (every
-// rank's dy and topk_w are written); the dgrad megakernel (detail/megakernel_backward.cuh: comm
+// rank's dy and topk_w are written); the backward megakernel (detail/megakernel_backward.cuh: comm
 // warps pull dy rows and router weights from the source ranks; dh = dy W_down with the SwiGLU
 // backward; dx = [dg|du] [W_gate; W_up] pushed into the source ranks' dx_slots, d topk_w into their
-// dw_slots); the weight gradients (fixed reduction order) while the peers' pushes land; a wait on
-// every rank's arrival; the fixed-order dx sum. With fused = false the same steps run as stage
-// kernels (gather, expert backward, scatter): the same bits, kept as the fused path's yardstick.
-// *Planned:* the weight gradients inside the megakernel, and replay for rings smaller than the rows.
+// dw_slots; then the weight gradients, fixed reduction order); a wait on every rank's arrival; the
+// fixed-order dx sum. With fused = false the same steps run as stage kernels (gather, expert
+// backward, scatter): the same bits, kept as the fused path's yardstick.
+// *Planned:* replay for rings smaller than the rows.
 struct MoeBackwardArgs {
   RoutingShape shape;
   int64_t rank = 0;
@@ -92,7 +92,7 @@ struct MoeBackwardArgs {
   const int32_t* src_rank = nullptr;
   const int32_t* src_slot = nullptr;
   int64_t row_capacity = 0;
-  int64_t minibatch_rows = 0;      // the dgrad megakernel's minibatch (a multiple of 128)
+  int64_t minibatch_rows = 0;      // the backward megakernel's minibatch (a multiple of 128)
   uint32_t* counters = nullptr;    // megakernel_counter_words(row_capacity, minibatch_rows) words
   const void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x)
   const void* h = nullptr;       // [row_capacity, I] (the forward's ring_h)
@@ -118,7 +118,7 @@ struct MoeBackwardArgs {
   int32_t* status = nullptr;       // [4], as in MoeForwardArgs
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
   double timeout_s = 10.0;
-  int num_sms = 0;     // CTAs of the dgrad megakernel and the expert kernels (0 = all SMs)
+  int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
   bool fused = true;   // false: the stage kernels
 };
 std::string can_implement(const MoeBackwardArgs& args);

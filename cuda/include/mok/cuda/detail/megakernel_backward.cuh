@@ -1,14 +1,16 @@
-// The backward's dgrad megakernel of one rank: the forward's kernel (megakernel_forward.cuh) with
-// the backward's GEMMs and epilogues, in one persistent launch:
+// The backward megakernel of one rank: the forward's kernel (megakernel_forward.cuh) with the
+// backward's GEMMs and epilogues, in one persistent launch:
 //   pull     the comm warps copy each row's dy from its source rank (and its router weight) into
 //            dy_rows at its schedule position, minibatch by minibatch (x_ready);
 //   first    dh = dy W_down per tile, the SwiGLU backward in the epilogue: dg|du, w*h and the
 //            row's d topk_w partials, at the row's schedule position (h_ready per row block);
 //   second   dx = dg W_gate + du W_up (one accumulator over both planes), each row pushed into
 //            its (token, j) slot of the source rank's dx_slots; the column-block-0 tile also sums
-//            the row's d topk_w partials in block order and pushes them into dw_slots.
-// The last CTA tells every source rank its slots are written (dx_arrived). The weight gradients
-// run after it as their own launches, while the peers' pushes land.
+//            the row's d topk_w partials in block order and pushes them into dw_slots;
+//   wgrad    after every task of the two GEMMs: dW_gate, dW_up, dW_down of each expert over its
+//            rows in order (a fixed reduction order, no split-K), once that expert's rows are
+//            pulled and their first-GEMM tiles done; stored fp32 or bf16 by TMA.
+// The last CTA tells every source rank its slots are written (dx_arrived).
 // The rows are kept (training forward): dy_rows, dgu and hw hold every row, so the "ring" has one
 // slot per minibatch and no pull waits for a slot. Every tile is computed as the stage kernels
 // compute it (the same GEMMs, k order and epilogue arithmetic), so both give the same bits.
@@ -19,11 +21,20 @@
 namespace mok::cuda::detail {
 
 using BackwardDgradMainloop = BackwardMainloop<GMMA::Major::K>;
+using BackwardWgradMainloop = BackwardMainloop<GMMA::Major::MN>;
 
 struct MegaBackwardParams {
   static constexpr bool kPullsRowWeights = true;
+  static constexpr bool kWeightGradients = true;
   BackwardDgradMainloop::Params first_load, second_load;  // dy x W_down; [dg|du] x [W_gate; W_up]
   SwiGluBackwardEpilogue::Params first_store;            // dg|du, hw, d topk_w partials
+  // The weight gradients dW_gate = dg^T x, dW_up = du^T x, dW_down = dy^T hw (both operands read
+  // transposed), stored fp32 or bf16 (wgrad_bf16).
+  BackwardWgradMainloop::Params wgrad_load[3];
+  StoreF32Epilogue::Params wgrad_f32[3];
+  StoreBf16PlanesEpilogue::Params wgrad_bf16[3];
+  int32_t wgrad_bf16_out;
+  int32_t wg_m, wg_n, wd_m, wd_n;  // tiles of dW_gate / dW_up (I x H) and of dW_down (H x I)
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;  // ring_rows >= every minibatch's rows: one slot per minibatch
   int32_t n_first, n_second, k_first, k_second;
@@ -113,6 +124,89 @@ struct BackwardPass {
     float sum = 0.0f;
     for (int b = 0; b < p.n_first; ++b) sum = __fadd_rn(sum, partial[b]);
     p.dw_slots[rank][slot] = sum;
+  }
+
+  // Producer (one thread): a weight gradient tile of expert e reads dy, x, dg|du and hw of all of
+  // e's rows: it waits until every row block of e was pulled and its first-GEMM tiles are done.
+  template <class Pipeline, class State>
+  static __device__ void load_wgrad(const Params& p, const MegaTask& task, bfloat16_t* smem_a, bfloat16_t* smem_b,
+                                    Pipeline& pipeline, State& state) {
+    const int mb = p.mb_rows / GemmConfig::kBlockM;
+    const uint32_t teams = uint32_t(gridDim.x - p.comm_ctas);
+    constexpr int kPerBlock = GemmConfig::kBlockM / BackwardWgradMainloop::kBlockK;  // k-blocks per row block
+    for (int rb = task.tile.k_begin / kPerBlock; rb < task.tile.k_end / kPerBlock; ++rb) {
+      wait_at_least<false>(&p.x_ready[rb / mb], teams, p.status, kWaitRows, rb / mb);
+      wait_at_least<false>(&p.h_ready[rb], uint32_t(p.n_first), p.status, kWaitHidden, rb);
+    }
+    fence_proxy_async();  // what the counters announced is read by TMA
+    const BackwardWgradMainloop::Params& load = p.wgrad_load[task.wgrad - 1];
+    for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
+      pipeline.producer_acquire(state);
+      BackwardWgradMainloop::load(load, smem_a, smem_b, task.tile, kb, state.index(),
+                                  *pipeline.producer_get_barrier(state));
+      ++state;
+    }
+  }
+
+  // Consumers: the tile's reduction over the expert's rows in order (zero for an empty expert),
+  // then its fp32 or bf16 store (TMA, asynchronous).
+  template <class Acc, class Coords, class Storage, class Pipeline, class State>
+  static __device__ void wgrad_task(const Params& p, const MegaTask& task, Acc& acc, const Coords&, int thread,
+                                    Storage& smem, Pipeline& pipeline, State& read_state, State& release_state) {
+    using Mainloop = BackwardWgradMainloop;
+    ExpertTiledMma<Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
+    auto thr = mma.get_thread_slice(thread);
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), Mainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), Mainloop::SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    const int g = task.wgrad - 1;
+    const int t = opaque(thread);
+    if (task.tile.k_end <= task.tile.k_begin) {
+      // An empty expert's gradient is zero. Stored from a stand-in accumulator: clearing the real
+      // one here made ptxas serialize every wgmma of the kernel (C7515).
+      store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[0]);
+      return;
+    }
+    {
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(acc);
+      for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
+        pipeline.consumer_wait(read_state);
+        const int stage = read_state.index();
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+          cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        if (kb > task.tile.k_begin) {
+          pipeline.consumer_release(release_state);
+          ++release_state;
+        }
+        ++read_state;
+      }
+      warpgroup_wait<0>();
+      pipeline.consumer_release(release_state);
+      ++release_state;
+      warpgroup_fence_operand(acc);
+    }
+    store(p, g, task.tile, acc, t, smem.staging[0]);
+  }
+
+  struct ZeroAccumulator {
+    __device__ float operator()(int) const { return 0.0f; }
+  };
+  template <class Acc>
+  static __device__ void store(const Params& p, int g, const GroupedTile& tile, const Acc& acc, int thread,
+                               bfloat16_t* staging) {
+    if (p.wgrad_bf16_out) {
+      StoreBf16PlanesEpilogue::apply(p.wgrad_bf16[g], tile, acc, coords_of(thread), thread, staging);
+    } else {
+      StoreF32Epilogue::apply(p.wgrad_f32[g], tile, acc, coords_of(thread), thread, staging);
+    }
   }
 };
 

@@ -111,6 +111,7 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
 
 struct MegaForwardParams {
   static constexpr bool kPullsRowWeights = false;  // the backward's pull also copies each row's topk_w
+  static constexpr bool kWeightGradients = false;  // the backward's tasks end with the weight gradients
   ForwardMainloop::Params first_load, second_load;  // gate|up, down
   SwiGluEpilogue::Params first_store;  // h into the ring; g|u (optional) at global rows
   int32_t experts, row_capacity;
@@ -144,6 +145,7 @@ __device__ __forceinline__ int scheduled_rows(const Params& p) {
 
 struct MegaTask {
   bool second;  // the second GEMM of the minibatch (forward: down)
+  int wgrad;    // 0, or 1 + which weight gradient (backward: W_gate, W_up, W_down) the tile is of
   int minibatch;
   int row_block;  // global row block of the schedule
   GroupedTile tile;
@@ -159,19 +161,55 @@ struct MegaTasks {
   __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
   __device__ int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
   __device__ int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
-  __device__ int total() const {
+  __device__ int pass_total() const {
     const int rb = row_blocks(), mb = mb_blocks();
     if (rb == 0) return 0;
     const int full = (rb - 1) / mb;  // minibatches before the last
     return full * mb * (p.n_first + p.n_second) + (rb - full * mb) * (p.n_first + p.n_second);
   }
+  // The weight gradient tiles come after every task of the two GEMMs: expert by expert, W_gate's,
+  // W_up's, then W_down's tiles (column fastest), each over all of the expert's rows in order
+  // (as ExpertTileScheduler). A malformed schedule has none either.
+  __device__ int wgrad_per_expert() const { return 2 * p.wg_m * p.wg_n + p.wd_m * p.wd_n; }
+  __device__ int total() const {
+    if constexpr (Params::kWeightGradients) {
+      return s.status == 0 ? pass_total() + p.experts * wgrad_per_expert() : 0;
+    } else {
+      return pass_total();
+    }
+  }
+  __device__ MegaTask wgrad_at(int linear) const {
+    const int per_expert = wgrad_per_expert(), gate_up = p.wg_m * p.wg_n;
+    MegaTask task;
+    task.second = false;
+    task.minibatch = 0;
+    task.row_block = 0;
+    task.tile.expert = linear / per_expert;
+    int local = linear - task.tile.expert * per_expert;
+    task.wgrad = local < gate_up ? 1 : local < 2 * gate_up ? 2 : 3;
+    local -= (task.wgrad - 1) * gate_up;
+    const int n_blocks = task.wgrad == 3 ? p.wd_n : p.wg_n;
+    task.tile.m_block = local / n_blocks;
+    task.tile.save_m_block = task.tile.m_block;
+    task.tile.n_block = local % n_blocks;
+    task.tile.row_end = s.offsets[task.tile.expert + 1];
+    constexpr int kRows = OperandConfig<bfloat16_t>::kBlockK;  // rows per k-block (bf16)
+    task.tile.k_begin = s.offsets[task.tile.expert] / kRows;
+    task.tile.k_end = task.tile.row_end / kRows;
+    return task;
+  }
 
   __device__ MegaTask at(int linear) const {
+    if constexpr (Params::kWeightGradients) {
+      const int first = pass_total();
+      if (linear >= first) return wgrad_at(linear - first);
+    }
     const int mb = mb_blocks();
     const int b = linear / (mb * (p.n_first + p.n_second));
     const int rbs = blocks_of(b);
     int local = linear - b * mb * (p.n_first + p.n_second);
     MegaTask task;
+    task.wgrad = 0;
     task.second = local >= rbs * p.n_first;
     if (task.second) local -= rbs * p.n_first;
     const int n_blocks = task.second ? p.n_second : p.n_first;
@@ -381,6 +419,7 @@ struct ForwardPass {
 template <class Pass>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     megakernel_kernel(const __grid_constant__ typename Pass::Params p) {
+  using Params = typename Pass::Params;
   using Mainloop = typename Pass::Mainloop;
   using Pipeline = GemmConfig::Pipeline;
   constexpr int kStages = GemmConfig::kStages;
@@ -413,16 +452,24 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   __syncthreads();
 
   const MegaTasks<typename Pass::Params> tasks{p, smem.tiles};
-  const int total = tasks.total();
+  // (Each role derives the task count after its register change: a value live across setmaxnreg
+  // was spilled.)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp != 0) {
       if (p.comm_warps) dispatch_warps(p, cta, ctas);
     } else if (cute::elect_one_sync()) {
+      const int total = tasks.total();
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int linear = cta; linear < total; linear += ctas) {
         const MegaTask task = tasks.at(linear);
+        if constexpr (Params::kWeightGradients) {
+          if (task.wgrad != 0) {
+            Pass::load_wgrad(p, task, smem.a, smem.b, pipeline, state);
+            continue;
+          }
+        }
         if (task.second) {
           wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, kWaitHidden, task.row_block);
         } else {
@@ -441,6 +488,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
+    const int total = tasks.total();
     const int consumer_thread = threadIdx.x - 128;
     ExpertTiledMma<typename Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
     auto thr = mma.get_thread_slice(consumer_thread);
@@ -455,6 +503,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
     for (int linear = cta; linear < total; linear += ctas) {
+      if constexpr (Params::kWeightGradients) {
+        if (linear >= tasks.pass_total()) {
+          Pass::wgrad_task(p, tasks.at(linear), acc, tCcC, consumer_thread, smem, pipeline, read_state, release_state);
+          continue;
+        }
+      }
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
       const int k_blocks = tasks.at(linear).tile.k_end;
