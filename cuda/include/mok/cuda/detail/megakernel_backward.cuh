@@ -127,18 +127,23 @@ struct BackwardPass {
   }
 
   // Producer (one thread): a weight gradient tile of expert e reads dy, x, dg|du and hw of all of
-  // e's rows: it waits until every row block of e was pulled and its first-GEMM tiles are done.
+  // e's rows: it waits until every row block of e was pulled and its first-GEMM tiles are done,
+  // once per expert (ready_expert; tiles come expert by expert): one acquire per row block and
+  // tile held mixtral's tiles back (4096 rows per expert), 10% slower than separate launches.
   template <class Pipeline, class State>
   static __device__ void load_wgrad(const Params& p, const MegaTask& task, bfloat16_t* smem_a, bfloat16_t* smem_b,
-                                    Pipeline& pipeline, State& state) {
-    const int mb = p.mb_rows / GemmConfig::kBlockM;
-    const uint32_t teams = uint32_t(gridDim.x - p.comm_ctas);
-    constexpr int kPerBlock = GemmConfig::kBlockM / BackwardWgradMainloop::kBlockK;  // k-blocks per row block
-    for (int rb = task.tile.k_begin / kPerBlock; rb < task.tile.k_end / kPerBlock; ++rb) {
-      wait_at_least<false>(&p.x_ready[rb / mb], teams, p.status, kWaitRows, rb / mb);
-      wait_at_least<false>(&p.h_ready[rb], uint32_t(p.n_first), p.status, kWaitHidden, rb);
+                                    Pipeline& pipeline, State& state, int& ready_expert) {
+    if (task.tile.expert != ready_expert) {
+      const int mb = p.mb_rows / GemmConfig::kBlockM;
+      const uint32_t teams = uint32_t(gridDim.x - p.comm_ctas);
+      constexpr int kPerBlock = GemmConfig::kBlockM / BackwardWgradMainloop::kBlockK;  // k-blocks per row block
+      for (int rb = task.tile.k_begin / kPerBlock; rb < task.tile.k_end / kPerBlock; ++rb) {
+        wait_at_least<false>(&p.x_ready[rb / mb], teams, p.status, kWaitRows, rb / mb);
+        wait_at_least<false>(&p.h_ready[rb], uint32_t(p.n_first), p.status, kWaitHidden, rb);
+      }
+      fence_proxy_async();  // what the counters announced is read by TMA
+      ready_expert = task.tile.expert;
     }
-    fence_proxy_async();  // what the counters announced is read by TMA
     const BackwardWgradMainloop::Params& load = p.wgrad_load[task.wgrad - 1];
     for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
       pipeline.producer_acquire(state);

@@ -461,12 +461,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (p.comm_warps) dispatch_warps(p, cta, ctas);
     } else if (cute::elect_one_sync()) {
       const int total = tasks.total();
+      [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int linear = cta; linear < total; linear += ctas) {
         const MegaTask task = tasks.at(linear);
         if constexpr (Params::kWeightGradients) {
           if (task.wgrad != 0) {
-            Pass::load_wgrad(p, task, smem.a, smem.b, pipeline, state);
+            Pass::load_wgrad(p, task, smem.a, smem.b, pipeline, state, ready_expert);
             continue;
           }
         }
