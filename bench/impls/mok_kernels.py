@@ -23,17 +23,17 @@ SYMM_KEY = "mok.symmetric"
 
 
 def _plan_overrides() -> dict[str, int]:
-    """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680"`` (0 or absent: the
+    """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680,fused_backward=1"`` (absent: the
     planner's choice). tools/gpu.sh's sweep names each result file after its plan. With a backward the
     context replaces the ring, so ``ring`` then changes nothing."""
     import os
 
-    names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows"}
+    names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows", "fused_backward": "fused_backward"}
     out: dict[str, int] = {}
     for term in filter(None, (t.strip() for t in os.environ.get("MOK_BENCH_PLAN", "").split(","))):
         key, _, value = term.partition("=")
         if key not in names or not value.isdigit():
-            raise ValueError(f"MOK_BENCH_PLAN: {term!r} is not one of comm=N, minibatch=N, ring=N")
+            raise ValueError(f"MOK_BENCH_PLAN: {term!r} is not one of comm=N, minibatch=N, ring=N, fused_backward=0|1")
         out[names[key]] = int(value)
     return out
 

@@ -222,14 +222,15 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 }
 
 // Creates rank `rank`'s fused forward on the current device. Plan overrides: 0 = the planner's
-// choice. `plan_text` (optional) receives the planner's explanation. Returns null on error.
+// choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel). `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
 // keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
 // (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
 // (training: autograd saves them per call, so layers sharing a handle do not collide).
 void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64_t hidden, int64_t intermediate,
                               int64_t num_experts, int64_t topk, int has_limit, float limit, int comm_sms,
-                              int64_t minibatch_rows, int64_t ring_rows, int keep_rows, double timeout_s,
+                              int64_t minibatch_rows, int64_t ring_rows, int fused_backward, int keep_rows,
+                              double timeout_s,
                               char* plan_text, int plan_len, char* error, int error_len) {
   try {
     mok::MoeDesc d;
@@ -250,6 +251,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     if (comm_sms > 0) o.comm_sms = comm_sms;
     if (minibatch_rows > 0) o.minibatch_rows = minibatch_rows;
     if (ring_rows > 0) o.ring_rows = ring_rows;
+    if (fused_backward >= 0) o.fused_backward = fused_backward != 0;
     auto h = std::make_unique<ForwardHandle>();
     cuda_check(cudaGetDevice(&h->device), "cudaGetDevice");
     mok::DeviceFacts facts = mok::DeviceFacts::h200();
@@ -280,9 +282,12 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       b.swiglu_limit = a.swiglu_limit;
       b.timeout_s = timeout_s;
       b.num_sms = a.num_sms;
-      // A development switch for same-process A/Bs on the GPU: the backward's stage kernels.
-      const char* path = std::getenv("MOK_EXPERIMENT_BACKWARD");
-      b.fused = !(path != nullptr && std::string(path) == "stages");
+      b.fused = c.fused_backward;  // the planner's (planner.h: kFusedBackwardCommShare) or the caller's
+      // A development switch for same-process A/Bs on the GPU: MOK_EXPERIMENT_BACKWARD=stages|fused.
+      if (const char* path = std::getenv("MOK_EXPERIMENT_BACKWARD"); path != nullptr) {
+        if (std::string(path) == "stages") b.fused = false;
+        if (std::string(path) == "fused") b.fused = true;
+      }
     }
     if (plan_text != nullptr && plan_len > 0) {
       std::ostringstream text;

@@ -116,6 +116,7 @@ py::dict plan_to_dict(const MoeConfig& c) {
   d["expected_rows"] = c.expected_rows;
   d["schedule_capacity_rows"] = c.schedule_capacity_rows;
   d["keeps_forward_context"] = c.keeps_forward_context;
+  d["fused_backward"] = c.fused_backward;
   py::dict ws;
   ws["symmetric"] = c.workspace.symmetric;
   ws["schedule"] = c.workspace.schedule;
@@ -265,12 +266,13 @@ PYBIND11_MODULE(_C, m) {
       "plan",
       [](const MoeDesc& desc, const DeviceFacts& device, std::optional<int> comm_sms,
          std::optional<int64_t> minibatch_rows, std::optional<int64_t> ring_rows,
-         std::optional<int64_t> ring_budget_bytes) {
-        return plan_to_dict(plan(desc, device, PlanOverrides{comm_sms, minibatch_rows, ring_rows, ring_budget_bytes}));
+         std::optional<int64_t> ring_budget_bytes, std::optional<bool> fused_backward) {
+        return plan_to_dict(
+            plan(desc, device, PlanOverrides{comm_sms, minibatch_rows, ring_rows, ring_budget_bytes, fused_backward}));
       },
       py::arg("desc"), py::arg("device"), py::kw_only(), py::arg("comm_sms") = py::none(),
       py::arg("minibatch_rows") = py::none(), py::arg("ring_rows") = py::none(),
-      py::arg("ring_budget_bytes") = py::none(),
+      py::arg("ring_budget_bytes") = py::none(), py::arg("fused_backward") = py::none(),
       "The planner: comm/compute SMs, minibatch, ring, workspace bytes, floors and the explanation");
 
   m.def(

@@ -42,8 +42,8 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_symmetric_layout.argtypes = [ctypes.c_int64] * 4 + [ctypes.POINTER(ctypes.c_int64)]
     lib.mok_cuda_forward_create.restype = ctypes.c_void_p
     lib.mok_cuda_forward_create.argtypes = [ctypes.c_int64] * 7 + [
-        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_double,
-        ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
     # handle, bases, then 9 tensors, 6 context buffers and the stream, then the error buffer.
     lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 9 + [
@@ -247,13 +247,15 @@ class FusedForward:
 
     def __init__(self, *, ranks: int, rank: int, tokens: int, hidden: int, intermediate: int, num_experts: int,
                  topk: int, swiglu_limit: float | None = None, comm_sms: int = 0, minibatch_rows: int = 0,
-                 ring_rows: int = 0, keep_rows: bool = False, timeout_s: float = 10.0) -> None:
+                 ring_rows: int = 0, fused_backward: int = -1, keep_rows: bool = False,
+                 timeout_s: float = 10.0) -> None:
         self._handle = None
         plan = ctypes.create_string_buffer(4096)
         error = ctypes.create_string_buffer(512)
         handle = _lib().mok_cuda_forward_create(
             ranks, rank, tokens, hidden, intermediate, num_experts, topk, int(swiglu_limit is not None),
-            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, int(keep_rows), timeout_s, plan,
+            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, fused_backward, int(keep_rows), timeout_s,
+            plan,
             len(plan), error, len(error))
         if not handle:
             raise ValueError(error.value.decode())

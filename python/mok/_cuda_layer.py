@@ -48,7 +48,8 @@ class _Key:
     topk: int
     swiglu_limit: float | None
     device: int
-    plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows)
+    plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows,
+    #                                         fused_backward)
 
     def shapes(self) -> tuple[object, ...]:
         return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device)
@@ -71,7 +72,8 @@ class _Workspace:
         _dist.agree(ep, "cuda_workspace", lambda: {
             "tokens per rank": T, "hidden": H, "intermediate": key.intermediate, "experts": key.num_experts,
             "topk": k, "swiglu_limit": key.swiglu_limit, "MoeConfig comm_sms": plan.get("comm_sms"),
-            "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows")})
+            "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows"),
+            "MoeConfig fused_backward": plan.get("fused_backward")})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -226,7 +228,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         group_name: str, save_context: bool = True, plan: dict[str, int] | None = None) -> Tensor:
     """The checked inputs of :func:`mok.functional.moe` on the GPU. Without autograd (no_grad, or
     no input that requires grad) the forward keeps no context at all. ``plan``: the planner's
-    overrides resolved from a MoeConfig (comm_sms, minibatch_rows, ring_rows)."""
+    overrides resolved from a MoeConfig (comm_sms, minibatch_rows, ring_rows, fused_backward)."""
     if not kernels.available():
         raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
                                   "loadable here; use CPU tensors or build with CUDA")

@@ -75,6 +75,8 @@ class MoeConfig:
     minibatch_rows: int | None = None  # rows per minibatch, a multiple of the 128-row tile
     ring_rows: int | None = None  # rows the ring token buffer holds, a multiple of minibatch_rows
     ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
+    # The GPU backward as one megakernel launch (True) or as stage kernels (False): the same bits.
+    fused_backward: bool | None = None
 
 
 class Schedule(NamedTuple):
@@ -211,13 +213,19 @@ def _check_config(config: object) -> None:
     if not isinstance(config, MoeConfig):
         raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
     for f in fields(MoeConfig):
-        _int_or_none(getattr(config, f.name), f"MoeConfig.{f.name}")
+        value = getattr(config, f.name)
+        if f.name == "fused_backward":
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"MoeConfig.fused_backward must be a bool or None, got {type(value).__name__}")
+        else:
+            _int_or_none(value, f"MoeConfig.{f.name}")
 
 
 def _plan(desc: Any, device: torch.device, config: MoeConfig) -> dict[str, Any]:
     """The planner's choices for ``desc`` on ``device`` under ``config``'s overrides."""
     return _C.plan(desc, _device_facts(device), comm_sms=config.comm_sms, minibatch_rows=config.minibatch_rows,
-                   ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes)
+                   ring_rows=config.ring_rows, ring_budget_bytes=config.ring_budget_bytes,
+                   fused_backward=config.fused_backward)
 
 
 def _int_or_none(value: object, name: str) -> None:
@@ -540,7 +548,7 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
     if shape.tokens == 0:
         return None
     return {"comm_sms": int(plan["comm_sms"]), "minibatch_rows": int(plan["minibatch_rows"]),
-            "ring_rows": int(plan["ring_rows"])}
+            "ring_rows": int(plan["ring_rows"]), "fused_backward": int(plan["fused_backward"])}
 
 
 def _moe_ops(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,

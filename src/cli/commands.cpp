@@ -342,7 +342,7 @@ int run_command(const std::vector<std::string>& argv) {
 
 int plan_command(const std::vector<std::string>& argv) {
   const Args args(argv, {"preset", "ranks", "tokens", "device", "comm-sms", "minibatch", "ring-rows",
-                         "ring-budget-mib"});
+                         "ring-budget-mib", "backward"});
   MOK_REQUIRE(args.has("preset"), "mok plan needs --preset NAME (see `mok presets`)");
   const ModelPreset& preset = find_preset(args.str("preset", ""));
   const MoeDesc desc = preset.desc(args.integer("ranks", 2), args.integer("tokens", 8192));
@@ -351,6 +351,11 @@ int plan_command(const std::vector<std::string>& argv) {
   ov.minibatch_rows = args.optional_integer("minibatch");
   ov.ring_rows = args.optional_integer("ring-rows");
   if (auto v = args.optional_integer("ring-budget-mib")) ov.ring_budget_bytes = *v << 20;
+  if (args.has("backward")) {
+    const std::string path = args.str("backward", "");
+    MOK_REQUIRE(path == "fused" || path == "stages", "--backward must be fused or stages, got '", path, "'");
+    ov.fused_backward = path == "fused";
+  }
   const MoeConfig cfg = plan(desc, find_device(args.str("device", "h200")), ov);
   std::printf("preset %s\n%s", preset.name.c_str(), cfg.explanation.c_str());
   return 0;

@@ -237,6 +237,18 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
 
   cfg.forward = forward_cost(desc, device);
   cfg.backward = backward_cost(desc, device, /*replays=*/false);  // the context is kept (above)
+
+  // The backward's path: the megakernel hides the dy pull and the dx push behind its GEMMs but
+  // costs its GEMMs a few percent; it pays where the communication is a large share.
+  const double comm_share = cfg.backward.gemm_ms > 0 ? cfg.backward.nvlink_ms / cfg.backward.gemm_ms : 0.0;
+  if (ov.fused_backward) {
+    cfg.fused_backward = *ov.fused_backward;
+    why << "- backward path: " << (cfg.fused_backward ? "one megakernel launch" : "stage kernels") << " (given)\n";
+  } else {
+    cfg.fused_backward = comm_share >= kFusedBackwardCommShare;
+    why << "- backward path: " << (cfg.fused_backward ? "one megakernel launch" : "stage kernels") << ": its NVLink time is "
+        << fmt("%.2f", comm_share) << " of its GEMM time (the megakernel from " << kFusedBackwardCommShare << ")\n";
+  }
   auto describe = [&](const char* name, const PassCost& c) {
     why << "- " << name << ": " << fmt("%.3g", c.flops / 1e12) << " TFLOP ("
         << fmt("%.3f", c.gemm_ms) << " ms), HBM " << format_bytes(c.hbm_bytes) << " ("

@@ -42,6 +42,32 @@ TEST(Planner, KimiK2OnTwoH200s) {
   EXPECT_DOUBLE_EQ(c.backward.flops, 12.0 * 7168 * 2048 * (65536 + 8192));
 }
 
+TEST(Planner, TheBackwardPathFollowsTheShareOfCommunication) {
+  // Backward NVLink bytes: 2 passes (dy pull, dx push) x T*k rows x H bf16, half remote; GEMM
+  // flops: 12 * T*k * I * H (the shared expert's too, when the preset has one).
+  for (const char* name : {"kimi-k2", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v4-pro"}) {
+    const MoeDesc d = find_preset(name).desc(2, 8192);
+    const MoeConfig c = plan(d, DeviceFacts::h200());
+    const double share = c.backward.nvlink_ms / c.backward.gemm_ms;
+    EXPECT_EQ(c.fused_backward, share >= kFusedBackwardCommShare) << name << " share " << share;
+    EXPECT_NE(c.explanation.find(c.fused_backward ? "backward path: one megakernel launch: its NVLink time is"
+                                                  : "backward path: stage kernels: its NVLink time is"),
+              std::string::npos)
+        << c.explanation;
+  }
+  // The measured sides (planner.h): qwen3-30b fused, kimi-k2 and mixtral as stage kernels.
+  EXPECT_TRUE(plan(find_preset("qwen3-30b-a3b").desc(2, 8192), DeviceFacts::h200()).fused_backward);
+  EXPECT_FALSE(plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200()).fused_backward);
+  EXPECT_FALSE(plan(find_preset("mixtral-8x7b").desc(2, 8192), DeviceFacts::h200()).fused_backward);
+  // One rank moves nothing over NVLink: stage kernels. An override wins either way.
+  EXPECT_FALSE(plan(find_preset("qwen3-30b-a3b").desc(1, 8192), DeviceFacts::h200()).fused_backward);
+  PlanOverrides fused;
+  fused.fused_backward = true;
+  const MoeConfig c = plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200(), fused);
+  EXPECT_TRUE(c.fused_backward);
+  EXPECT_NE(c.explanation.find("backward path: one megakernel launch (given)"), std::string::npos);
+}
+
 TEST(Planner, OneRankUsesALocalGather) {
   const MoeConfig c = plan(find_preset("kimi-k2").desc(1, 8192), DeviceFacts::h200());
   EXPECT_EQ(c.comm_sms, 0);

@@ -165,12 +165,14 @@ def test_torch_compile_calls_the_gpu_layer() -> None:
 
 
 def test_plan_overrides_change_no_bit() -> None:
-    """A MoeConfig reaches the megakernel (its own workspace: other comm CTAs, minibatch and ring)
-    and changes neither y nor any gradient."""
+    """A MoeConfig reaches the megakernel (its own workspace: other comm CTAs, minibatch and ring;
+    the backward as one megakernel launch or as stage kernels) and changes neither y nor any
+    gradient."""
     p = testing.random_problem(300, 16, 512, 256, 4, routing="zipf", seed=17, device="cuda")
     dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(torch.bfloat16)
     results = []
-    for config in (None, mok.MoeConfig(comm_sms=3, minibatch_rows=128, ring_rows=256)):
+    for config in (None, mok.MoeConfig(comm_sms=3, minibatch_rows=128, ring_rows=256),
+                   mok.MoeConfig(fused_backward=True, minibatch_rows=256), mok.MoeConfig(fused_backward=False)):
         y, *grads = _run(p, dy, config=config)
         with torch.no_grad():
             y_inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=config)
@@ -180,5 +182,8 @@ def test_plan_overrides_change_no_bit() -> None:
     _cuda_layer.check()
     assert any(dict(key.plan).get("minibatch_rows") == 128 for key in _cuda_layer._WORKSPACES), \
         "the config did not reach the workspace"
-    for name, a, b in zip(["y", "y (no_grad)", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], *results):
-        assert b is not None and torch.equal(a, b), f"{name}: differs under the config"
+    assert any(dict(key.plan).get("fused_backward") == 1 for key in _cuda_layer._WORKSPACES), \
+        "fused_backward did not reach the workspace"
+    for other in results[1:]:
+        for name, a, b in zip(["y", "y (no_grad)", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], results[0], other):
+            assert b is not None and torch.equal(a, b), f"{name}: differs under the config"

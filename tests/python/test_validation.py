@@ -175,6 +175,9 @@ def test_moe_config_is_checked_and_changes_no_bit() -> None:
     plain = mok.moe(*args)
     tuned = mok.moe(*args, config=mok.MoeConfig(minibatch_rows=128, ring_rows=256))
     assert torch.equal(plain, tuned)
+    assert torch.equal(plain, mok.moe(*args, config=mok.MoeConfig(fused_backward=True)))
+    with pytest.raises(TypeError, match="MoeConfig.fused_backward must be a bool or None, got int"):
+        mok.moe(*args, config=mok.MoeConfig(fused_backward=1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple of the row tile 128, got 100"):
         mok.moe(*args, config=mok.MoeConfig(minibatch_rows=100))
     with pytest.raises(ValueError, match="ring_rows must be a positive multiple of minibatch_rows=128, got 200"):

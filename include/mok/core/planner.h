@@ -41,6 +41,7 @@ struct PlanOverrides {
   std::optional<int64_t> minibatch_rows;
   std::optional<int64_t> ring_rows;
   std::optional<int64_t> ring_budget_bytes;
+  std::optional<bool> fused_backward;  // the backward megakernel (true) or the stage kernels (false)
 };
 
 // FLOPs and bytes of one pass on one rank under balanced routing, and the floor they imply.
@@ -73,6 +74,7 @@ struct MoeConfig {
   int64_t schedule_capacity_rows = 0;
   bool keeps_forward_context = false;  // all expected rows fit the ring (as built the training forward
                                        // keeps every row's context outside the ring either way)
+  bool fused_backward = false;     // the backward as one megakernel launch, else as stage kernels
   WorkspaceBytes workspace;
   PassCost forward, backward;
   std::string explanation;  // why, in plain text
@@ -88,6 +90,13 @@ int64_t ring_row_bytes(const MoeDesc& desc);
 int64_t symmetric_bytes(const MoeDesc& desc);
 PassCost forward_cost(const MoeDesc& desc, const DeviceFacts& device);
 PassCost backward_cost(const MoeDesc& desc, const DeviceFacts& device, bool replays);
+// The backward's NVLink time over its GEMM time (the planner's floors) from which the backward
+// megakernel is chosen over the stage kernels. Measured on 2 H200s at 2048 and 8192 tokens per
+// rank (bench/results/2026-11-30-h200-session6): qwen3-30b (0.46) ran 8-12% faster as one launch;
+// kimi-k2 (0.15), deepseek-v4 (0.10) and mixtral (0.025) ran 2-4% slower. 0.25 is between them,
+// where a straight line through those gains crosses zero (~0.2) plus a margin; qwen3.5 (0.31) is
+// on the megakernel's side and was not measured.
+inline constexpr double kFusedBackwardCommShare = 0.25;
 
 // Human-readable byte count ("1.50 GiB").
 std::string format_bytes(double bytes);
