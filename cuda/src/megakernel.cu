@@ -50,15 +50,20 @@ CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
 
 uint32_t* signal_word(void* base, int64_t offset) { return SymmetricLayout::at<uint32_t>(base, offset); }
 
-// A development switch for timing only (the results are WRONG): MOK_EXPERIMENT_LOCAL=pull|push|both
-// makes the megakernels pull rows from / push rows to this rank's own buffers instead of the
-// source ranks', to measure what the NVLink traffic costs the fused passes.
-int experiment_local_peer(const char* which, int me, int s) {
+// A development switch for timing only (the results are WRONG), compiled in only with
+// -DMOK_EXPERIMENT_LOCAL_TRAFFIC (tools/gpu.sh: MOK_CUDA_FLAGS): MOK_EXPERIMENT_LOCAL=pull|push|both
+// then makes the megakernels pull rows from / push rows to this rank's own buffers instead of the
+// source ranks', to measure what the NVLink traffic costs the fused passes (session 6).
+int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] int me, int s) {
+#ifdef MOK_EXPERIMENT_LOCAL_TRAFFIC
   static const std::string mode = [] {
     const char* e = std::getenv("MOK_EXPERIMENT_LOCAL");
     return std::string(e != nullptr ? e : "");
   }();
   return mode == "both" || mode == which ? me : s;
+#else
+  return s;
+#endif
 }
 
 // One single-block kernel: signal (optionally) and wait on one word per rank.
@@ -635,6 +640,14 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
     case detail::kWaitHidden:
       out << "rank " << rank << " timed out waiting for the gate/up tiles of row block " << where << " (" << seen
           << " done)";
+      break;
+    case detail::kWaitDyRows:
+      out << "rank " << rank << " timed out in the backward waiting for the dy rows of minibatch " << where << " ("
+          << seen << " pulling teams done)";
+      break;
+    case detail::kWaitDgradTiles:
+      out << "rank " << rank << " timed out in the backward waiting for the dh tiles of row block " << where << " ("
+          << seen << " done)";
       break;
     case detail::kWaitBarrier:
       out << "rank " << rank << " timed out at the start barrier waiting for rank " << where << " (saw epoch " << seen

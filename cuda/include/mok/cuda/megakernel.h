@@ -119,7 +119,9 @@ struct MoeBackwardArgs {
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
   double timeout_s = 10.0;
   int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
-  bool fused = true;   // false: the stage kernels
+  // true: the backward megakernel (needs minibatch_rows and counters: FusedBuffers::wire sets
+  // them); false: the stage kernels. The C API and mok.moe take the planner's choice.
+  bool fused = false;
 };
 std::string can_implement(const MoeBackwardArgs& args);
 void moe_backward(const MoeBackwardArgs& args, cudaStream_t stream);

@@ -26,6 +26,7 @@ using BackwardWgradMainloop = BackwardMainloop<GMMA::Major::MN>;
 struct MegaBackwardParams {
   static constexpr bool kPullsRowWeights = true;
   static constexpr bool kWeightGradients = true;
+  static constexpr int32_t kWaitFirst = kWaitDyRows, kWaitSecond = kWaitDgradTiles;
   BackwardDgradMainloop::Params first_load, second_load;  // dy x W_down; [dg|du] x [W_gate; W_up]
   SwiGluBackwardEpilogue::Params first_store;            // dg|du, hw, d topk_w partials
   // The weight gradients dW_gate = dg^T x, dW_up = du^T x, dW_down = dy^T hw (both operands read
@@ -94,7 +95,9 @@ struct BackwardPass {
   static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords&, int thread,
                                         bfloat16_t* staging) {
     // The row weights were written by comm warps of any CTA; this thread reads them after the
-    // minibatch's count (the producer's acquire covers its TMA loads, not this thread's loads).
+    // minibatch's count. (The producer acquired it before this tile's loads, and this thread
+    // waited on those loads, so the count is already complete; this acquire orders this thread's
+    // own loads after it.)
     (void)ld_acquire_gpu(&p.x_ready[task.minibatch]);
     const int t = opaque(thread);
     SwiGluBackwardEpilogue::apply(p.first_store, task.tile, acc, coords_of(t), t, staging);
@@ -135,11 +138,10 @@ struct BackwardPass {
                                     Pipeline& pipeline, State& state, int& ready_expert) {
     if (task.tile.expert != ready_expert) {
       const int mb = p.mb_rows / GemmConfig::kBlockM;
-      const uint32_t teams = uint32_t(gridDim.x - p.comm_ctas);
       constexpr int kPerBlock = GemmConfig::kBlockM / BackwardWgradMainloop::kBlockK;  // k-blocks per row block
       for (int rb = task.tile.k_begin / kPerBlock; rb < task.tile.k_end / kPerBlock; ++rb) {
-        wait_at_least<false>(&p.x_ready[rb / mb], teams, p.status, kWaitRows, rb / mb);
-        wait_at_least<false>(&p.h_ready[rb], uint32_t(p.n_first), p.status, kWaitHidden, rb);
+        wait_at_least<false>(&p.x_ready[rb / mb], pulling_teams(p), p.status, kWaitDyRows, rb / mb);
+        wait_at_least<false>(&p.h_ready[rb], uint32_t(p.n_first), p.status, kWaitDgradTiles, rb);
       }
       fence_proxy_async();  // what the counters announced is read by TMA
       ready_expert = task.tile.expert;

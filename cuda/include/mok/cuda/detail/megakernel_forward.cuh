@@ -73,6 +73,8 @@ enum WaitCode : int32_t {
   kWaitBarrier = 19,     // the start barrier waited for rank `where`
   kWaitCombine = 20,     // the combine waited for rank `where`'s pushes
   kWaitGrads = 21,       // the backward waited for rank `where`'s dx and d topk_w pushes
+  kWaitDyRows = 22,      // the backward's GEMMs waited for the dy rows of minibatch `where`
+  kWaitDgradTiles = 23,  // the backward's second GEMM or weight gradients waited for the dh tiles of row block `where`
 };
 
 // The first wait of a call to give up records why in the status words (the others see it and
@@ -112,6 +114,7 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
 struct MegaForwardParams {
   static constexpr bool kPullsRowWeights = false;  // the backward's pull also copies each row's topk_w
   static constexpr bool kWeightGradients = false;  // the backward's tasks end with the weight gradients
+  static constexpr int32_t kWaitFirst = kWaitRows, kWaitSecond = kWaitHidden;  // what a timeout names
   ForwardMainloop::Params first_load, second_load;  // gate|up, down
   SwiGluEpilogue::Params first_store;  // h into the ring; g|u (optional) at global rows
   int32_t experts, row_capacity;
@@ -242,6 +245,13 @@ struct MegaTasks {
     return task;
   }
 };
+
+// The teams that count in x_ready[b] when they have pulled minibatch b's rows: every compute CTA's
+// comm warps, or the comm CTAs.
+template <class Params>
+__device__ __forceinline__ uint32_t pulling_teams(const Params& p) {
+  return uint32_t(p.comm_warps ? int(gridDim.x) - p.comm_ctas : p.comm_ctas);
+}
 
 // ---- dispatch: comm CTAs pull the rows of each minibatch into its ring slot ----
 // Whether schedule row r is a token row (else a padding row, zero in the ring).
@@ -472,10 +482,11 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           }
         }
         if (task.second) {
-          wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, kWaitHidden, task.row_block);
+          wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, Params::kWaitSecond,
+                               task.row_block);
         } else {
-          const uint32_t teams = uint32_t(p.comm_warps ? ctas : p.comm_ctas);  // that pull rows
-          wait_at_least<false>(&p.x_ready[task.minibatch], teams, p.status, kWaitRows, task.minibatch);
+          wait_at_least<false>(&p.x_ready[task.minibatch], pulling_teams(p), p.status, Params::kWaitFirst,
+                               task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
         const typename Mainloop::Params& load = task.second ? p.second_load : p.first_load;
