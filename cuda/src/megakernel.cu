@@ -50,12 +50,30 @@ CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
 
 uint32_t* signal_word(void* base, int64_t offset) { return SymmetricLayout::at<uint32_t>(base, offset); }
 
-// A development switch for timing only (the results are WRONG), compiled in only with
-// -DMOK_EXPERIMENT_LOCAL_TRAFFIC (tools/gpu.sh: MOK_CUDA_FLAGS): MOK_EXPERIMENT_LOCAL=pull|push|both
-// then makes the megakernels pull rows from / push rows to this rank's own buffers instead of the
-// source ranks', to measure what the NVLink traffic costs the fused passes (session 6).
+#ifdef MOK_EXPERIMENTS
+int32_t experiment_skips() {
+  static const int32_t skips = [] {
+    const char* e = std::getenv("MOK_EXPERIMENT_SKIP");
+    const std::string v = e != nullptr ? e : "";
+    int32_t bits = 0;
+    if (v.find("pull") != std::string::npos) bits |= detail::kSkipPull;
+    if (v.find("push") != std::string::npos) bits |= detail::kSkipPush;
+    if (v.find("waits") != std::string::npos) bits |= detail::kSkipWaits;
+    return bits;
+  }();
+  return skips;
+}
+#endif
+
+// Development switches for timing only (the results are WRONG), compiled in only with
+// -DMOK_EXPERIMENTS (tools/gpu.sh: MOK_CUDA_FLAGS=-DMOK_EXPERIMENTS):
+//   MOK_EXPERIMENT_LOCAL=pull|push|both  the megakernels pull rows from / push rows to this rank's
+//       own buffers instead of the source ranks' (what NVLink costs the fused passes, session 6);
+//   MOK_EXPERIMENT_SKIP=pull,push,waits  the comm warps count rows without copying them, the push
+//       epilogue stages its tile but stores nothing, the producers issue loads without waiting on
+//       the counters (what each costs the megakernel over its GEMMs alone).
 int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] int me, int s) {
-#ifdef MOK_EXPERIMENT_LOCAL_TRAFFIC
+#ifdef MOK_EXPERIMENTS
   static const std::string mode = [] {
     const char* e = std::getenv("MOK_EXPERIMENT_LOCAL");
     return std::string(e != nullptr ? e : "");
@@ -370,6 +388,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   p.done_ctas = a.counters + counters.done_ctas();
   p.epoch = a.epoch;
   p.status = status;
+#ifdef MOK_EXPERIMENTS
+  p.experiment_skips = experiment_skips();
+#endif
   for (int s = 0; s < R; ++s) {
     p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.x);
     p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], l.combine);
@@ -473,6 +494,9 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
   p.done_ctas = a.counters + counters.done_ctas();
   p.epoch = a.epoch;
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+#ifdef MOK_EXPERIMENTS
+  p.experiment_skips = experiment_skips();
+#endif
   for (int s = 0; s < R; ++s) {
     p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.dy);
     p.topk_w[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);

@@ -58,6 +58,7 @@ struct MegaBackwardParams {
   __nv_bfloat16* combine[kMaxRanks];  // dx_slots [T*k, H] on each rank
   float* dw_slots[kMaxRanks];         // [T*k] on each rank
   uint32_t* arrived[kMaxRanks];       // rank s's dx_arrived word of this rank
+  MOK_EXPERIMENT_FIELDS
 };
 
 // Where the dx rows go: as CombineTarget, into dx_slots.
@@ -69,6 +70,7 @@ struct DxTarget {
   __device__ int ranks() const { return p.ranks; }
   __device__ int slots() const { return p.slots; }
   __device__ int width() const { return p.hidden; }
+  __device__ bool skips_push() const { return MOK_SKIPS(p, kSkipPush); }
 };
 
 struct BackwardPass {
@@ -136,7 +138,7 @@ struct BackwardPass {
   template <class Pipeline, class State>
   static __device__ void load_wgrad(const Params& p, const MegaTask& task, bfloat16_t* smem_a, bfloat16_t* smem_b,
                                     Pipeline& pipeline, State& state, int& ready_expert) {
-    if (task.tile.expert != ready_expert) {
+    if (task.tile.expert != ready_expert && !MOK_SKIPS(p, kSkipWaits)) {
       const int mb = p.mb_rows / GemmConfig::kBlockM;
       constexpr int kPerBlock = GemmConfig::kBlockM / BackwardWgradMainloop::kBlockK;  // k-blocks per row block
       for (int rb = task.tile.k_begin / kPerBlock; rb < task.tile.k_end / kPerBlock; ++rb) {

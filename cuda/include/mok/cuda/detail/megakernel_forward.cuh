@@ -65,6 +65,16 @@ struct WaitStatus {
   uint32_t epoch;  // this call's
 };
 
+// Timing-only switches (megakernel.cu: MOK_EXPERIMENTS): parts of the megakernel left out.
+enum ExperimentSkip : int32_t { kSkipPull = 1, kSkipPush = 2, kSkipWaits = 4 };
+#ifdef MOK_EXPERIMENTS
+#define MOK_EXPERIMENT_FIELDS int32_t experiment_skips;
+#define MOK_SKIPS(p, bit) (((p).experiment_skips & (bit)) != 0)
+#else
+#define MOK_EXPERIMENT_FIELDS
+#define MOK_SKIPS(p, bit) false
+#endif
+
 // Codes of the waits (megakernel.h: describe_wait_status).
 enum WaitCode : int32_t {
   kWaitRingSlot = 16,    // dispatch waited for the down tiles of minibatch `where` to free its ring slot
@@ -136,6 +146,7 @@ struct MegaForwardParams {
   const uint4* x[kMaxRanks];               // [T, H] on each rank
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank
   uint32_t* arrived[kMaxRanks];            // rank s's combine_arrived word of this (source) rank
+  MOK_EXPERIMENT_FIELDS
 };
 
 // The schedule's rows, or 0 when the offsets are malformed (the compute CTAs then do nothing
@@ -297,7 +308,7 @@ __device__ void pull_minibatches(const Params& p, int first, int stride, int war
       if constexpr (Params::kPullsRowWeights) {  // the router weight of the row (0 for padding)
         if (lane == 0) p.row_weight[r] = token ? p.topk_w[p.src_rank[r]][p.src_slot[r]] : 0.0f;
       }
-      if (token) {
+      if (token && !MOK_SKIPS(p, kSkipPull)) {
         // The lane's pieces lane, lane + 32, ...: `left` counts them down (fewer live registers
         // than indices, for the comm warps' 40).
         const uint4* src = source_row(p, r) + lane;
@@ -312,7 +323,7 @@ __device__ void pull_minibatches(const Params& p, int first, int stride, int war
           src += 32 * kUnroll;
           dst += 32 * kUnroll;
         }
-      } else {
+      } else if (!token) {
         dst -= lane;
         for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
       }
@@ -360,6 +371,7 @@ struct CombineTarget {
   __device__ int ranks() const { return p.ranks; }
   __device__ int slots() const { return p.slots; }
   __device__ int width() const { return p.hidden; }
+  __device__ bool skips_push() const { return MOK_SKIPS(p, kSkipPush); }
 };
 
 template <class Target, class Acc, class Coords>
@@ -391,7 +403,8 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
       for (int b = 0; b < 2; ++b) {
         const int col = n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
         Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
-        if (col < p.width()) *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
+        if (col < p.width() && !p.skips_push())
+          *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
       }
     }
   });
@@ -481,7 +494,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
             continue;
           }
         }
-        if (task.second) {
+        if (MOK_SKIPS(p, kSkipWaits)) {
+        } else if (task.second) {
           wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, Params::kWaitSecond,
                                task.row_block);
         } else {
