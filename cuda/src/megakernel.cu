@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <atomic>
 #include <string>
 #include <sstream>
@@ -84,15 +86,37 @@ int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] i
 #endif
 }
 
-// One single-block kernel: signal (optionally) and wait on one word per rank.
+// What a rank was called with, as one word every rank compares at the start barrier: the shapes
+// and the pass (FNV-1a over them; 0 is kept for "do not compare"). The minibatch, ring and SM
+// counts are each rank's own business and not part of it.
+unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t intermediate,
+                             const std::optional<float>& swiglu_limit, int pass) {
+  unsigned long long h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  uint32_t limit_bits = 0;
+  if (swiglu_limit) std::memcpy(&limit_bits, &*swiglu_limit, 4);
+  for (int64_t v : {s.ranks, s.tokens_per_rank, s.topk, s.num_experts, hidden, intermediate,
+                    int64_t(swiglu_limit.has_value()), int64_t(limit_bits), int64_t(pass)})
+    mix(uint64_t(v));
+  return h == 0 ? 1 : h;
+}
+
+// One single-block kernel: signal (optionally) and wait on one word per rank; with a nonzero
+// `call`, also write this rank's call word and compare every peer's with it.
 template <class FlagOf, class MineOf>
 void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_t code, bool signal,
-             const FlagOf& flag_of, const MineOf& mine_of, cudaStream_t stream) {
+             const FlagOf& flag_of, const MineOf& mine_of, cudaStream_t stream, unsigned long long call = 0) {
   detail::BarrierParams p{};
   p.ranks = ranks;
   p.epoch = epoch;
   p.status = status;
   p.code = code;
+  p.call = call;
   for (int s = 0; s < ranks; ++s) {
     p.flags[s] = flag_of(s);
     p.mine[s] = mine_of(s);
@@ -335,10 +359,12 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   check_finite(SymmetricLayout::at<const void>(mine, l.topk_w), true, T * shape.topk, CheckedTensor::topk_w, me, keys,
                R, stream);
 
-  // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s.
+  // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s; every
+  //    rank's call word must be this one's.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
-          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
+          call_word(shape, H, I, a.swiglu_limit, /*pass=*/1));
 
   // 2. This rank's schedule from every rank's topk_idx.
   build_schedule(sa, stream);
@@ -616,10 +642,11 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   non_finite_keys(a.bases, l, R, keys);
   check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, keys, R, stream);
 
-  // 1. Every rank's dy and topk_w are in its symmetric buffer.
+  // 1. Every rank's dy and topk_w are in its symmetric buffer, and every rank makes this call.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
-          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream);
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
+          call_word(shape, H, I, a.swiglu_limit, /*pass=*/2));
   if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
     // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the
     //    weight gradients; its last CTA tells every source rank.
@@ -664,6 +691,11 @@ std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
     case detail::kWaitHidden:
       out << "rank " << rank << " timed out waiting for the gate/up tiles of row block " << where << " (" << seen
           << " done)";
+      break;
+    case detail::kCallMismatch:
+      out << "rank " << rank << " and rank " << where << " made different calls with epoch " << epoch
+          << " (ranks, tokens per rank, top-k, experts, hidden, intermediate, swiglu_limit, or forward against "
+             "backward differ): every rank must make the same call";
       break;
     case detail::kWaitDyRows:
       out << "rank " << rank << " timed out in the backward waiting for the dy rows of minibatch " << where << " ("

@@ -35,6 +35,7 @@ struct RunConfig {
   bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
   bool bf16_grads = false;  // the backward writes bf16 weight gradients (Outputs gets their values)
   bool stage_backward = false;  // the backward's stage kernels instead of its megakernel
+  bool rank1_other_call = false;  // rank 1 calls with another swiglu_limit (a call the others do not make)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
@@ -182,6 +183,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.swiglu_limit = d.swiglu_limit;
+      if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
       a.timeout_s = cfg.timeout_s;
       try {
         cuda::moe_forward(a, rk.stream);
@@ -552,6 +554,24 @@ TEST(MegakernelErrors, APeerThatNeverLaunchesIsANamedTimeout) {
   const Outputs out = run_forward(in, only0, 1);
   EXPECT_NE(out.errors[0].find("rank 0 timed out at the start barrier waiting for rank 1"), std::string::npos)
       << out.errors[0];
+}
+
+TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
+  // Same buffers and shapes, but rank 1 clamps its SwiGLU and rank 0 does not: both name the other
+  // instead of computing a layer no rank asked for.
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
+  RunConfig cfg;
+  cfg.rank1_other_call = true;
+  cfg.timeout_s = 1.0;
+  const Outputs out = run_forward(in, cfg, 1);
+  EXPECT_NE(out.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos) << out.errors[0];
+  EXPECT_NE(out.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos) << out.errors[1];
+  // The same call on both ranks again: no error.
+  const Outputs again = run_forward(in, RunConfig{}, 1);
+  EXPECT_EQ(again.errors[0], "");
+  EXPECT_EQ(again.errors[1], "");
 }
 
 TEST(MegakernelErrors, BadArgumentsAreNamed) {

@@ -85,6 +85,7 @@ enum WaitCode : int32_t {
   kWaitGrads = 21,       // the backward waited for rank `where`'s dx and d topk_w pushes
   kWaitDyRows = 22,      // the backward's GEMMs waited for the dy rows of minibatch `where`
   kWaitDgradTiles = 23,  // the backward's second GEMM or weight gradients waited for the dh tiles of row block `where`
+  kCallMismatch = 24,    // the start barrier: rank `where` makes a different call (shapes or pass)
 };
 
 // The first wait of a call to give up records why in the status words (the others see it and
@@ -588,23 +589,36 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 // Start barrier: tell every rank this one has arrived (its x, topk_idx and topk_w are written),
 // then wait until every rank has. flags[s] = rank s's barrier word of this rank; mine[s] = this
 // rank's barrier word of rank s.
+// The call word sits in the same signal line as the barrier flag, 8 bytes after it: a signalling
+// rank writes what it was called with (call_word), then releases the epoch; a waiter that sees the
+// epoch compares the word with its own (0: no comparison, for the waits that only wait).
 struct BarrierParams {
   int32_t ranks;
   uint32_t epoch;
   WaitStatus status;
   int32_t code;
+  unsigned long long call;
   uint32_t* flags[kMaxRanks];
   const uint32_t* mine[kMaxRanks];
 };
+__device__ __forceinline__ unsigned long long* call_word(uint32_t* flag) {
+  return reinterpret_cast<unsigned long long*>(flag + 2);
+}
 
 __global__ void signal_barrier_kernel(const __grid_constant__ BarrierParams p, int signal) {
   const int s = threadIdx.x;
   if (s >= p.ranks) return;
   if (signal) {
+    if (p.call != 0) *call_word(p.flags[s]) = p.call;
     __threadfence_system();
     st_release_sys(p.flags[s], p.epoch);
   }
-  wait_at_least<true>(p.mine[s], p.epoch, p.status, p.code, s);
+  if (wait_at_least<true>(p.mine[s], p.epoch, p.status, p.code, s) && p.call != 0) {
+    // Ordered after the acquire of the epoch that was released after it.
+    const unsigned long long theirs = *reinterpret_cast<const volatile unsigned long long*>(
+        call_word(const_cast<uint32_t*>(p.mine[s])));
+    if (theirs != p.call) record_give_up(p.status, kCallMismatch, s, static_cast<uint32_t>(theirs));
+  }
 }
 
 }  // namespace mok::cuda::detail
