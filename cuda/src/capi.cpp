@@ -222,7 +222,8 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 }
 
 // Creates rank `rank`'s fused forward on the current device. Plan overrides: 0 = the planner's
-// choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel). `plan_text` (optional) receives the planner's explanation. Returns null on error.
+// choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel).
+// `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
 // keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
 // (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
@@ -283,7 +284,8 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       b.timeout_s = timeout_s;
       b.num_sms = a.num_sms;
       b.fused = c.fused_backward;  // the planner's (planner.h: kFusedBackwardCommShare) or the caller's
-      // A development switch for same-process A/Bs on the GPU: MOK_EXPERIMENT_BACKWARD=stages|fused.
+      // A development switch for same-process A/Bs on the GPU: MOK_EXPERIMENT_BACKWARD=stages|fused
+      // (both paths give the same bits).
       if (const char* path = std::getenv("MOK_EXPERIMENT_BACKWARD"); path != nullptr) {
         if (std::string(path) == "stages") b.fused = false;
         if (std::string(path) == "fused") b.fused = true;

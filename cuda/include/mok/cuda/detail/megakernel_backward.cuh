@@ -30,7 +30,7 @@ struct MegaBackwardParams {
   BackwardDgradMainloop::Params first_load, second_load;  // dy x W_down; [dg|du] x [W_gate; W_up]
   SwiGluBackwardEpilogue::Params first_store;            // dg|du, hw, d topk_w partials
   // The weight gradients dW_gate = dg^T x, dW_up = du^T x, dW_down = dy^T hw (both operands read
-  // transposed), stored fp32 or bf16 (wgrad_bf16).
+  // transposed), stored fp32 or bf16 (wgrad_bf16_out).
   BackwardWgradMainloop::Params wgrad_load[3];
   StoreF32Epilogue::Params wgrad_f32[3];
   StoreBf16PlanesEpilogue::Params wgrad_bf16[3];

@@ -1,6 +1,8 @@
 // The forward megakernel of one rank: dispatch (a pull of token rows from every rank's x into
 // the ring), gate/up + SwiGLU, down, and the combine push of each output row into its (token, j)
 // slot on the source rank, in one persistent launch (megakernel.h has the protocol around it).
+// The kernel, megakernel_kernel<Pass>, is shared with the backward: a pass gives its Params, its
+// mainloop and its two epilogues (ForwardPass below; BackwardPass in megakernel_backward.cuh).
 //
 // Roles by CTA: the first comm_ctas CTAs pull rows; the others compute tasks in one fixed order:
 // minibatch by minibatch, its gate/up tiles, then its down tiles. Minibatch b is rows
