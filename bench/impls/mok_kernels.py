@@ -48,7 +48,7 @@ def _layer_symmetric_bytes(case: Any, kernels: ModuleType) -> int:
 def _fresh_signals(buffer: torch.Tensor, layout: dict[str, int], ctx: BenchContext) -> None:
     """A new handle starts its epochs at 1: the signal lines of its layout (where an earlier case's
     flags or data may sit) are zeroed on every rank before any rank's first call."""
-    buffer[layout["signals"]: layout["total"]].zero_()
+    buffer[layout["signals"]: layout["x"]].zero_()  # the signal lines come first
     torch.cuda.synchronize()
     ctx.runtime.barrier()
 

@@ -339,6 +339,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   sa.row_capacity = a.row_capacity;
   sa.workspace = a.schedule_workspace;
   sa.status = a.routing_status;
+  sa.given_up_words = a.status;  // a start barrier that gave up leaves an empty schedule
+  sa.given_up_epoch = a.epoch;
   CombineArgs c;
   c.tokens = shape.tokens_per_rank;
   c.hidden = H;
@@ -566,7 +568,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   preload_kernels();  // before the barrier spins (see moe_forward)
 
   // Every step's arguments, checked before the first launch (see moe_forward).
-  const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot};
+  // After a start barrier that gave up, the stage kernels touch no peer buffer.
+  const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
   const void* dy_table[kMaxRanks];
   const float* w_table[kMaxRanks];
   void* dx_table[kMaxRanks];

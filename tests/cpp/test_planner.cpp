@@ -168,33 +168,38 @@ TEST(Planner, SymmetricBytes) {
   d.intermediate = 32;
   d.num_experts = 2;
   d.topk = 2;
-  // x 512, idx 32->256, w 32->256, combine 1024, dy 512, dx slots 1024, dw 32->256, and
-  // 3R+1 = 4 signal lines of 128 bytes -> 512.
-  EXPECT_EQ(symmetric_bytes(d), 512 + 256 + 256 + 1024 + 512 + 1024 + 256 + 512);
+  // 3 * 128 + 1 signal lines of 128 bytes (sized for the most ranks) -> 49408, then x 512,
+  // idx 32->256, w 32->256, combine 1024, dy 512, dx slots 1024, dw 32->256.
+  EXPECT_EQ(symmetric_bytes(d), 49408 + 512 + 256 + 256 + 1024 + 512 + 1024 + 256);
 }
 
 TEST(SymmetricLayout, RegionsAreAlignedDisjointAndInOrder) {
   for (int64_t T : {0, 1, 37, 8192}) {
     for (int64_t R : {1, 2, 64}) {
       const SymmetricLayout l = SymmetricLayout::make(T, 7168, 8, R);
-      const int64_t starts[] = {l.x, l.topk_idx, l.topk_w, l.combine, l.dy, l.dx_slots, l.dw_slots, l.signals, l.total};
-      const int64_t sizes[] = {T * 7168 * 2, T * 8 * 4, T * 8 * 4, T * 8 * 7168 * 2, T * 7168 * 2, T * 8 * 7168 * 2,
-                               T * 8 * 4, (3 * R + 1) * 128};
+      const int64_t starts[] = {l.signals, l.x, l.topk_idx, l.topk_w, l.combine, l.dy, l.dx_slots, l.dw_slots, l.total};
+      const int64_t sizes[] = {(3 * 128 + 1) * 128, T * 7168 * 2, T * 8 * 4, T * 8 * 4, T * 8 * 7168 * 2,
+                               T * 7168 * 2, T * 8 * 7168 * 2, T * 8 * 4};
+      EXPECT_EQ(l.signals, 0);
       for (int i = 0; i < 8; ++i) {
         EXPECT_EQ(starts[i] % SymmetricLayout::kAlign, 0);
         EXPECT_GE(starts[i + 1] - starts[i], sizes[i]) << "region " << i << " overlaps the next";
         EXPECT_LT(starts[i + 1] - starts[i], sizes[i] + SymmetricLayout::kAlign) << "region " << i;
       }
-      // Signal words: one per line, all inside the signal region, the status last.
+      // Signal words: one per line, all inside the signal region, the status last; their offsets
+      // depend on no shape (the same for every T and R).
       EXPECT_EQ(l.combine_arrived(0), l.signals);
-      EXPECT_EQ(l.dx_arrived(R - 1) + SymmetricLayout::kSignalLine, l.barrier(0));
-      EXPECT_EQ(l.status() + SymmetricLayout::kSignalLine, l.signals + (3 * R + 1) * SymmetricLayout::kSignalLine);
-      EXPECT_LE(l.status() + 4, l.total);
+      EXPECT_EQ(l.dx_arrived(SymmetricLayout::kMaxRanks - 1) + SymmetricLayout::kSignalLine, l.barrier(0));
+      EXPECT_EQ(l.status() + SymmetricLayout::kSignalLine, l.signals + (3 * 128 + 1) * SymmetricLayout::kSignalLine);
+      EXPECT_LE(l.status() + SymmetricLayout::kSignalLine, l.x);
+      const SymmetricLayout other = SymmetricLayout::make(T + 5, 512, 2, 1);
+      EXPECT_EQ(l.barrier(R - 1), other.barrier(R - 1));
+      EXPECT_EQ(l.status(), other.status());
     }
   }
-  alignas(256) static char base[4096];
+  alignas(256) static char base[65536];
   const SymmetricLayout small = SymmetricLayout::make(2, 16, 2, 2);
-  ASSERT_LE(small.total, 4096);
+  ASSERT_LE(small.total, 65536);
   EXPECT_EQ(reinterpret_cast<char*>(SymmetricLayout::at<float>(base, small.topk_w)), base + small.topk_w);
 }
 

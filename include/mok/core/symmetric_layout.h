@@ -18,11 +18,12 @@ namespace mok {
 struct SymmetricLayout {
   static constexpr int64_t kAlign = 256;       // every region starts on a 256-byte boundary
   static constexpr int64_t kSignalLine = 128;  // one signal word per 128-byte line (no false sharing)
+  static constexpr int64_t kMaxRanks = 128;    // the signal lines are sized for this many ranks
 
   // Sizes it was made for.
   int64_t tokens = 0, hidden = 0, topk = 0, ranks = 1;
 
-  // Byte offsets from the base of a rank's buffer.
+  // Byte offsets from the base of a rank's buffer: the signal lines, then the data.
   int64_t x = 0;         // [T, H] bf16: the tokens the owners of their experts pull (dispatch)
   int64_t topk_idx = 0;  // [T, k] int32: read by every rank to build its schedule
   int64_t topk_w = 0;    // [T, k] fp32: router weights, read with the rows
@@ -30,10 +31,11 @@ struct SymmetricLayout {
   int64_t dy = 0;        // [T, H] bf16: output gradients the owners pull (backward dispatch)
   int64_t dx_slots = 0;  // [T*k, H] bf16: input gradients pushed here, one slot per (token, j)
   int64_t dw_slots = 0;  // [T*k] fp32: d topk_w pushed here, one slot per (token, j)
-  // Signal lines, one 32-bit word at the start of each: for each source rank s, combine_arrived[s]
-  // and dx_arrived[s] (counters a pushing rank adds to with release semantics after its slots),
-  // barrier[s] (epoch flags for a barrier with no multicast), then one status line (its first 8
-  // bytes: the non-finite key every rank's input check writes into, cuda/routing.h).
+  // Signal lines (at offset 0, [signals, x)), one 32-bit word at the start of each: for each of
+  // kMaxRanks source ranks s, combine_arrived[s] and dx_arrived[s] (counters a pushing rank adds to
+  // with release semantics after its slots), barrier[s] (epoch flags for a barrier with no
+  // multicast; 8 bytes on, the caller's call word), then one status line (its first 8 bytes: the
+  // non-finite key every rank's input check writes into, cuda/routing.h).
   int64_t signals = 0;
   int64_t total = 0;  // bytes of one rank's buffer
 
@@ -52,6 +54,10 @@ struct SymmetricLayout {
       return offset;
     };
     const int64_t T = tokens, H = hidden, k = topk;
+    // The signal lines first, sized for the most ranks: their offsets depend on no shape, so a
+    // rank called with other shapes than its peers still writes its flags and call word where
+    // they look (and is named, not left to a timeout or a stray write).
+    l.signals = take(signal_lines(kMaxRanks) * kSignalLine);
     l.x = take(T * H * 2);
     l.topk_idx = take(T * k * 4);
     l.topk_w = take(T * k * 4);
@@ -59,21 +65,20 @@ struct SymmetricLayout {
     l.dy = take(T * H * 2);
     l.dx_slots = take(T * k * H * 2);
     l.dw_slots = take(T * k * 4);
-    l.signals = take(signal_lines(ranks) * kSignalLine);
     l.total = at;
     return l;
   }
   static constexpr int64_t signal_lines(int64_t ranks) { return 3 * ranks + 1; }
 
-  // Signal words on a rank's buffer.
+  // Signal words on a rank's buffer (at offsets that depend on no shape).
   MOK_HOST_DEVICE int64_t combine_arrived(int64_t source_rank) const { return signals + source_rank * kSignalLine; }
   MOK_HOST_DEVICE int64_t dx_arrived(int64_t source_rank) const {
-    return signals + (ranks + source_rank) * kSignalLine;
+    return signals + (kMaxRanks + source_rank) * kSignalLine;
   }
   MOK_HOST_DEVICE int64_t barrier(int64_t source_rank) const {
-    return signals + (2 * ranks + source_rank) * kSignalLine;
+    return signals + (2 * kMaxRanks + source_rank) * kSignalLine;
   }
-  MOK_HOST_DEVICE int64_t status() const { return signals + 3 * ranks * kSignalLine; }
+  MOK_HOST_DEVICE int64_t status() const { return signals + 3 * kMaxRanks * kSignalLine; }
 
   // A typed pointer into the buffer whose base is `base` (this rank's or a peer's).
   template <class T>

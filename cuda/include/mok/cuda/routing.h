@@ -19,12 +19,14 @@
 #include <cstdint>
 #include <string>
 
+#include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
 
 namespace mok::cuda {
 
 // The most source ranks a pointer table holds (the tables travel in the kernels' parameters).
 inline constexpr int kMaxRanks = 128;
+static_assert(kMaxRanks == SymmetricLayout::kMaxRanks, "the signal lines are sized for kMaxRanks ranks");
 // The most local experts a schedule handles (one warp's cursors per expert live in shared memory).
 inline constexpr int64_t kMaxScheduleExperts = 12288;
 
@@ -87,6 +89,10 @@ struct ScheduleArgs {
   int64_t row_capacity = 0;           // >= routed_row_capacity(shape); rows past offsets[El] are untouched
   void* workspace = nullptr;          // device, schedule_workspace_bytes(shape) bytes (16-byte aligned)
   RoutingStatus* status = nullptr;    // device, see RoutingStatus; not reset by the launch
+  // Optional, as in ScheduleView: when this call was given up, the schedule is empty and no rank's
+  // topk_idx is read.
+  const int32_t* given_up_words = nullptr;
+  uint32_t given_up_epoch = 0;
 };
 
 int64_t schedule_workspace_bytes(const RoutingShape& shape);
@@ -103,6 +109,11 @@ struct ScheduleView {
   const int32_t* expert_offsets = nullptr;  // device [El+1]; rows [0, offsets[El]) are visited
   const int32_t* src_rank = nullptr;        // device [row_capacity]
   const int32_t* src_slot = nullptr;        // device [row_capacity]
+  // Optional: a megakernel wait status (megakernel.h: code at [0], epoch at [4]) and this call's
+  // epoch. When its words say this call was given up (a rank made another call, or a wait timed
+  // out), no row is visited: no peer buffer, whose layout may not be this rank's, is touched.
+  const int32_t* given_up_words = nullptr;
+  uint32_t given_up_epoch = 0;
 };
 
 // Dispatch: rows[i] = x[src_rank[i]][src_slot[i] / k] (bf16, width H), zeros for padding rows;

@@ -89,6 +89,8 @@ enum WaitCode : int32_t {
   kWaitDgradTiles = 23,  // the backward's second GEMM or weight gradients waited for the dh tiles of row block `where`
   kCallMismatch = 24,    // the start barrier: rank `where` makes a different call (shapes or pass)
 };
+// The tile scheduler's status for a call given up before the megakernel's launch (no tasks).
+inline constexpr int32_t kCallGivenUp = 3;
 
 // The first wait of a call to give up records why in the status words (the others see it and
 // give up at once: waits_abandoned).
@@ -286,9 +288,8 @@ __device__ __forceinline__ const uint4* source_row(const Params& p, int r) {
 // Teams: a comm CTA (all its warps), or the 3 warps of a compute CTA's producer warpgroup that do
 // not issue TMA loads (comm_warps).
 template <int kUnroll, class Params, class Sync>
-__device__ void pull_minibatches(const Params& p, int first, int stride, int warp, bool leader, Sync sync) {
+__device__ void pull_minibatches(const Params& p, int used, int first, int stride, int warp, bool leader, Sync sync) {
   const int lane = threadIdx.x % 32;
-  const int used = scheduled_rows(p);
   const int mb = p.mb_rows / GemmConfig::kBlockM;
   const int slots = p.ring_rows / p.mb_rows;
   const int row_blocks = used / GemmConfig::kBlockM;
@@ -340,11 +341,12 @@ __device__ void pull_minibatches(const Params& p, int first, int stride, int war
   }
 }
 
-// A comm CTA: every warp pulls.
+// A comm CTA: every warp pulls (no row of a call given up before the launch).
 template <class Params>
 __device__ void dispatch_role(const Params& p) {
   const int warps = blockDim.x / 32;
-  pull_minibatches<8>(p, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0,
+  const int used = waits_abandoned(p.status) ? 0 : scheduled_rows(p);
+  pull_minibatches<8>(p, used, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0,
                       [] { __syncthreads(); });
 }
 
@@ -352,11 +354,13 @@ __device__ void dispatch_role(const Params& p) {
 // within the producer warpgroup's 40 registers, so 3 loads in flight per lane (2 measured the same:
 // bench/results/2026-11-30-h200-session6).
 inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 2;  // named barrier of their 96 threads
+// `used`: the schedule's rows as the CTA's tile scheduler holds them (0 for a malformed schedule
+// or a call given up before the launch).
 template <class Params>
-__device__ void dispatch_warps(const Params& p, int cta, int ctas) {
+__device__ void dispatch_warps(const Params& p, int used, int cta, int ctas) {
   const int warp = threadIdx.x / 32 - 1;
   auto sync = [] { asm volatile("bar.sync %0, %1;" ::"r"(kCommWarpsBarrier), "r"(32 * kCommWarps) : "memory"); };
-  pull_minibatches<3>(p, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
+  pull_minibatches<3>(p, used, cta * kCommWarps, ctas * kCommWarps, warp, warp == 0 && threadIdx.x % 32 == 0, sync);
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
@@ -464,6 +468,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     const int bad = GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts>::init(
         smem.tiles, p.offsets, p.experts, p.row_capacity);
     if (bad != 0 && threadIdx.x == 0 && cta == 0) atomicCAS(p.status.words, 0, bad);
+    // A call given up before the launch (its start barrier found a rank making another call, or
+    // timed out) runs no task and pulls no row: peers' buffers may not have this rank's layout.
+    // Decided once here, so every role of the CTA sees the same task count.
+    if (threadIdx.x == 0 && waits_abandoned(p.status)) smem.tiles.status = kCallGivenUp;
     if (threadIdx.x == 0) {
       Mainloop::prefetch(p.first_load);
       Mainloop::prefetch(p.second_load);
@@ -484,7 +492,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp != 0) {
-      if (p.comm_warps) dispatch_warps(p, cta, ctas);
+      if (p.comm_warps) dispatch_warps(p, smem.tiles.status == 0 ? smem.tiles.offsets[p.experts] : 0, cta, ctas);
     } else if (cute::elect_one_sync()) {
       const int total = tasks.total();
       [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done

@@ -22,10 +22,16 @@ struct ScheduleRows {
   const int32_t* expert_offsets;
   const int32_t* src_rank;
   const int32_t* src_slot;
+  const int32_t* given_up_words;  // optional (routing.h: ScheduleView)
+  uint32_t given_up_epoch;
 };
 
-// Rows [0, offsets[El]) of the schedule, never past its capacity.
+// Rows [0, offsets[El]) of the schedule, never past its capacity; none when the call was given up.
 __device__ __forceinline__ int scheduled_rows(const ScheduleRows& s) {
+  if (s.given_up_words != nullptr) {
+    const volatile int32_t* w = s.given_up_words;
+    if (w[0] != 0 && uint32_t(w[4]) == s.given_up_epoch) return 0;
+  }
   return max(0, min(s.expert_offsets[s.local_experts], s.row_capacity));
 }
 

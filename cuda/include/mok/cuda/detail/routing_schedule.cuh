@@ -39,8 +39,18 @@ struct ScheduleParams {
   int32_t* src_rank;        // [row_capacity]
   int32_t* src_slot;        // [row_capacity]
   RoutingStatus* status;
+  const int32_t* given_up_words;  // optional: a wait status (code, ..., epoch at [4]) ...
+  uint32_t given_up_epoch;        // ... that, set for this epoch, makes the schedule empty
   const int32_t* topk_idx[kMaxRanks];
 };
+
+// The call was given up before the schedule (the start barrier found a rank making another call,
+// or timed out): read no rank's topk_idx, whose layout may not be this rank's; no rows.
+__device__ __forceinline__ bool schedule_abandoned(const ScheduleParams& p) {
+  if (p.given_up_words == nullptr) return false;
+  const volatile int32_t* w = p.given_up_words;
+  return w[0] != 0 && uint32_t(w[4]) == p.given_up_epoch;
+}
 
 struct ChunkRange {
   int rank, begin, end;  // slots [begin, end) of rank
@@ -49,6 +59,7 @@ struct ChunkRange {
 __device__ __forceinline__ ChunkRange chunk_range(const ScheduleParams& p, int chunk) {
   const int rank = chunk / p.chunks_per_rank;
   const int begin = (chunk % p.chunks_per_rank) * kChunkSlots;
+  if (schedule_abandoned(p)) return {rank, begin, begin};  // empty: every kernel of the schedule agrees
   return {rank, begin, min(p.slots, begin + kChunkSlots)};
 }
 
