@@ -35,11 +35,6 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
-detail::StoreTensorF32 store_target_f32(float* ptr, int64_t rows, int64_t cols, int64_t experts) {
-  return {detail::make_store_tma_f32(ptr, int(rows), int(cols), cols, int(experts), rows * cols), int(rows), int(cols),
-          int(experts)};
-}
-
 template <class Mainloop, class Epilogue>
 detail::GroupedGemmParams<Mainloop, Epilogue> rows_params(const typename Mainloop::Params& m,
                                                           const typename Epilogue::Params& e, int64_t experts,
@@ -150,20 +145,14 @@ void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
 void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   require(a);
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  constexpr int kOnePlane = 1 << 30;
-  using KMajor = detail::BackwardMainloop<cute::GMMA::Major::K>;
+  using KMajor = host_util::BackwardK;
   const int dw_blocks = int(dw_partial_blocks(I));
 
   if (R > 0) {
-    // 1. dh = dy * W_down (B = W_down as (I, H, El), I contiguous), SwiGLU backward in the epilogue.
-    const KMajor::Params m{KMajor::make_a(bf(a.dy), int(R), int(H), 1, H, 0),
-                           KMajor::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
-                           KMajor::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
-                           int(R), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
-    const detail::SwiGluBackwardEpilogue::Params e{
-        static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
-        static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
-        a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+    // 1. dh = dy * W_down, SwiGLU backward in the epilogue.
+    const KMajor::Params m = host_util::dh_operands(a.dy, a.w_down, R, H, I, El);
+    const detail::SwiGluBackwardEpilogue::Params e = host_util::swiglu_backward_target(
+        a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
     launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
                                                                a.expert_offsets, a.status),
            a.num_sms, stream);
@@ -171,12 +160,8 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
                                                             a.d_row_weight);
     check(cudaGetLastError(), "launch reduce_row_partials");
 
-    // 2. dx = dg * W_gate + du * W_up: A = dgu as (rows, I, 2 planes), B = W_gate then W_up as
-    //    (H, I, El), H contiguous; k-blocks of plane 0 then plane 1 into one accumulator.
-    const KMajor::Params m2{KMajor::make_a(bf(a.dgu), int(R), int(I), 2, 2 * I, I),
-                            KMajor::make_b(bf(a.w_gate), int(H), int(I), int(El), H, I * H),
-                            KMajor::make_b(bf(a.w_up), int(H), int(I), int(El), H, I * H),
-                            int(R), int(I), 2, int(H), int(I), int(El), ceil_div(I, KMajor::kBlockK), 1};
+    // 2. dx = dg * W_gate + du * W_up, one accumulator over both planes.
+    const KMajor::Params m2 = host_util::dx_operands(a.dgu, a.w_gate, a.w_up, R, H, I, El);
     const detail::StoreEpilogue::Params e2{store_target(a.dx, R, H, H)};
     launch(rows_params<KMajor, detail::StoreEpilogue>(m2, e2, El, R, ceil_div(H, GemmConfig::kBlockN),
                                                       2 * ceil_div(I, KMajor::kBlockK), a.expert_offsets, a.status),
@@ -189,17 +174,13 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
 void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   require(a);
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  constexpr int kOnePlane = 1 << 30;
-  using MnMajor = detail::BackwardMainloop<cute::GMMA::Major::MN>;
+  using MnMajor = host_util::BackwardMN;
   // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
   //    dW_down = dy^T hw. A is read transposed (MN-major), B too. Empty experts get zeros.
   // The tiles are fp32 or bf16 (d_w_type): the same accumulation, one rounding in the epilogue.
   auto wgrad = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols,
                    void* out) {
-    const MnMajor::Params m{MnMajor::make_a(bf(a_ptr), int(a_cols), int(R), 1, a_row_stride, 0),
-                            MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
-                            MnMajor::make_b(bf(b_ptr), int(b_cols), int(R), 1, b_cols, 0),
-                            int(a_cols), int(R), 1, int(b_cols), int(R), 1, kOnePlane, /*b_by_expert=*/0};
+    const MnMajor::Params m = host_util::weight_grad_operands(a_ptr, a_cols, a_row_stride, b_ptr, b_cols, R);
     auto run = [&](auto* epilogue, const auto& e) {  // epilogue: a null pointer naming the type
       using Epilogue = std::remove_pointer_t<decltype(epilogue)>;
       detail::GroupedGemmParams<MnMajor, Epilogue> p{
@@ -208,12 +189,9 @@ void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
       launch(p, a.num_sms, stream);
     };
     if (a.d_w_type == GradType::bf16) {
-      run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), detail::StoreBf16PlanesEpilogue::Params{
-          {detail::make_store_tma(bf(out), int(a_cols), int(b_cols), b_cols, int(El), a_cols * b_cols), int(a_cols),
-           int(b_cols), int(El)}});
+      run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), host_util::bf16_planes_target(out, a_cols, b_cols, El));
     } else {
-      run(static_cast<detail::StoreF32Epilogue*>(nullptr),
-          detail::StoreF32Epilogue::Params{store_target_f32(static_cast<float*>(out), a_cols, b_cols, El)});
+      run(static_cast<detail::StoreF32Epilogue*>(nullptr), host_util::f32_planes_target(out, a_cols, b_cols, El));
     }
   };
   if (R == 0) {  // no rows at all: every expert is empty (a TMA descriptor cannot have a zero extent)

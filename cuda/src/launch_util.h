@@ -1,13 +1,16 @@
 // Host helpers the launchers share (expert_kernels.cu, megakernel.cu): error checks, SM count,
-// bf16 pointer casts, TMA store targets and can_implement messages.
+// bf16 pointer casts, TMA store targets, the backward's GEMM operands and can_implement messages.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "mok/cuda/detail/expert_epilogues.cuh"
+#include "mok/cuda/detail/mainloops.cuh"
+#include "mok/cuda/expert_kernels.h"
 
 namespace mok::cuda::host_util {
 
@@ -37,6 +40,57 @@ inline std::string trimmed(std::string s) {
 
 inline detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
   return {detail::make_store_tma(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
+}
+
+// ---- The backward's GEMMs, for the stage kernels and the backward megakernel alike ----
+using BackwardK = detail::BackwardMainloop<cute::GMMA::Major::K>;
+using BackwardMN = detail::BackwardMainloop<cute::GMMA::Major::MN>;
+inline constexpr int kOnePlane = 1 << 30;  // kb_per_plane of a one-plane reduction
+
+// dh = dy W_down: A = dy [rows, H]; B = W_down as (I, H, El), I contiguous.
+inline BackwardK::Params dh_operands(const void* dy, const void* w_down, int64_t rows, int64_t H, int64_t I,
+                                     int64_t El) {
+  return {BackwardK::make_a(bf(dy), int(rows), int(H), 1, H, 0),
+          BackwardK::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
+          BackwardK::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
+          int(rows), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
+}
+// dx = dg W_gate + du W_up: A = dgu as (rows, I, 2 planes), B = W_gate then W_up as (H, I, El), H
+// contiguous; the k-blocks of plane 0 then plane 1 into one accumulator.
+inline BackwardK::Params dx_operands(const void* dgu, const void* w_gate, const void* w_up, int64_t rows, int64_t H,
+                                     int64_t I, int64_t El) {
+  return {BackwardK::make_a(bf(dgu), int(rows), int(I), 2, 2 * I, I),
+          BackwardK::make_b(bf(w_gate), int(H), int(I), int(El), H, I * H),
+          BackwardK::make_b(bf(w_up), int(H), int(I), int(El), H, I * H),
+          int(rows), int(I), 2, int(H), int(I), int(El), ceil_div(I, BackwardK::kBlockK), /*b_by_expert=*/1};
+}
+// dh's epilogue: the SwiGLU backward into dg|du [rows, 2I] and hw [rows, I], with the d topk_w
+// partials [rows, dw_partial_blocks(I)].
+inline detail::SwiGluBackwardEpilogue::Params swiglu_backward_target(void* dgu, void* hw, const void* gu, const void* h,
+                                                                     const float* row_weight, float* dw_partial,
+                                                                     int64_t I, const std::optional<float>& limit) {
+  return {static_cast<__nv_bfloat16*>(dgu), static_cast<__nv_bfloat16*>(hw), static_cast<const __nv_bfloat16*>(gu),
+          static_cast<const __nv_bfloat16*>(h), row_weight, dw_partial, int(dw_partial_blocks(I)), int(I),
+          limit.has_value(), limit.value_or(0.0f)};
+}
+// A weight gradient a^T b per expert over its rows: a [rows, a_cols] (row stride a_row_stride) and
+// b [rows, b_cols], both read transposed (MN-major).
+inline BackwardMN::Params weight_grad_operands(const void* a, int64_t a_cols, int64_t a_row_stride, const void* b,
+                                               int64_t b_cols, int64_t rows) {
+  return {BackwardMN::make_a(bf(a), int(a_cols), int(rows), 1, a_row_stride, 0),
+          BackwardMN::make_b(bf(b), int(b_cols), int(rows), 1, b_cols, 0),
+          BackwardMN::make_b(bf(b), int(b_cols), int(rows), 1, b_cols, 0),
+          int(a_cols), int(rows), 1, int(b_cols), int(rows), 1, kOnePlane, /*b_by_expert=*/0};
+}
+// Where weight gradient tiles go: [planes][rows, cols], bf16 or fp32.
+inline detail::StoreBf16PlanesEpilogue::Params bf16_planes_target(void* out, int64_t rows, int64_t cols,
+                                                                  int64_t planes) {
+  return {{detail::make_store_tma(bf(out), int(rows), int(cols), cols, int(planes), rows * cols), int(rows), int(cols),
+           int(planes)}};
+}
+inline detail::StoreF32Epilogue::Params f32_planes_target(void* out, int64_t rows, int64_t cols, int64_t planes) {
+  return {{detail::make_store_tma_f32(static_cast<float*>(out), int(rows), int(cols), cols, int(planes), rows * cols),
+           int(rows), int(cols), int(planes)}};
 }
 
 }  // namespace mok::cuda::host_util

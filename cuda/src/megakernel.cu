@@ -125,6 +125,48 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
   return why.str();
 }
 
+// What both passes' megakernel reads beside its GEMMs (detail::MegaPassParams), from a call's
+// arguments (MoeForwardArgs or MoeBackwardArgs: the same names): rows pulled from every rank's
+// `pull` region into `ring_x` (`ring_rows` of them), pushed into their `push` region, and this
+// rank's arrival word at `arrived` on each. The caller sets the GEMMs' tile counts.
+template <class Args>
+void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t ring_rows, int comm, int64_t pull,
+               int64_t push, int64_t arrived) {
+  const RoutingShape& shape = a.shape;
+  const int R = int(shape.ranks), me = int(a.rank);
+  const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
+  p.experts = int(shape.local_experts());
+  p.row_capacity = int(a.row_capacity);
+  p.ring_rows = int(ring_rows);
+  p.mb_rows = int(a.minibatch_rows);
+  p.comm_ctas = comm;
+  p.comm_warps = comm == 0 ? 1 : 0;
+  p.ranks = R;
+  p.rank = me;
+  p.topk = int(shape.topk);
+  p.slots = int(shape.slots());
+  p.hidden = int(a.hidden);
+  p.row_vectors = int(a.hidden / 8);
+  p.offsets = a.expert_offsets;
+  p.src_rank = a.src_rank;
+  p.src_slot = a.src_slot;
+  p.ring_x = static_cast<uint4*>(ring_x);
+  p.x_ready = a.counters + counters.x_ready();
+  p.y_done = a.counters + counters.y_done();
+  p.h_ready = a.counters + counters.h_ready();
+  p.done_ctas = a.counters + counters.done_ctas();
+  p.epoch = a.epoch;
+  p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+#ifdef MOK_EXPERIMENTS
+  p.experiment_skips = experiment_skips();
+#endif
+  for (int s = 0; s < R; ++s) {
+    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], pull);
+    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], push);
+    p.arrived[s] = signal_word(a.bases[s], arrived);
+  }
+}
+
 }  // namespace
 
 FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
@@ -362,40 +404,11 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
       host_util::store_target(a.ring_h, ring, I, I), host_util::store_target(gu, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
-  p.experts = int(El);
-  p.row_capacity = int(cap);
-  p.ring_rows = int(ring);
-  p.mb_rows = int(a.minibatch_rows);
+  wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
   p.n_first = ceil_div(I, GemmConfig::kHalfN);
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
-  p.comm_ctas = comm;
-  p.comm_warps = comm == 0 ? 1 : 0;
-  p.ranks = R;
-  p.rank = me;
-  p.topk = int(shape.topk);
-  p.slots = int(shape.slots());
-  p.hidden = int(H);
-  p.row_vectors = int(H / 8);
-  p.offsets = a.expert_offsets;
-  p.src_rank = a.src_rank;
-  p.src_slot = a.src_slot;
-  p.ring_x = static_cast<uint4*>(a.ring_x);
-  p.x_ready = a.counters + counters.x_ready();
-  p.y_done = a.counters + counters.y_done();
-  p.h_ready = a.counters + counters.h_ready();
-  p.done_ctas = a.counters + counters.done_ctas();
-  p.epoch = a.epoch;
-  p.status = status;
-#ifdef MOK_EXPERIMENTS
-  p.experiment_skips = experiment_skips();
-#endif
-  for (int s = 0; s < R; ++s) {
-    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.x);
-    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], l.combine);
-    p.arrived[s] = signal_word(a.bases[s], l.combine_arrived(me));
-  }
   // A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
   // statically and spin on each other's counters, so a CTA held back by other work on the GPU
   // (another stream's kernels) would otherwise stall the ones waiting for it until the timeout.
@@ -417,92 +430,42 @@ namespace {
 // The backward megakernel (detail/megakernel_backward.cuh) on this rank's kept rows.
 void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t stream) {
   using Mainloop = detail::BackwardDgradMainloop;
-  constexpr int kOnePlane = 1 << 30;
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;
   const SymmetricLayout& l = a.layout;
   const int64_t M = a.minibatch_rows;
   const CounterLayout counters = counter_layout(cap, M);
-  const int dw_blocks = int(dw_partial_blocks(I));
   detail::MegaBackwardParams p{};
-  p.first_load = Mainloop::Params{Mainloop::make_a(bf(a.dy_rows), int(cap), int(H), 1, H, 0),
-                                  Mainloop::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
-                                  Mainloop::make_b(bf(a.w_down), int(I), int(H), int(El), I, H * I),
-                                  int(cap), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
-  p.second_load = Mainloop::Params{Mainloop::make_a(bf(a.dgu), int(cap), int(I), 2, 2 * I, I),
-                                   Mainloop::make_b(bf(a.w_gate), int(H), int(I), int(El), H, I * H),
-                                   Mainloop::make_b(bf(a.w_up), int(H), int(I), int(El), H, I * H),
-                                   int(cap), int(I), 2, int(H), int(I), int(El), ceil_div(I, Mainloop::kBlockK),
-                                   /*b_by_expert=*/1};
-  p.first_store = detail::SwiGluBackwardEpilogue::Params{
-      static_cast<__nv_bfloat16*>(a.dgu), static_cast<__nv_bfloat16*>(a.hw), static_cast<const __nv_bfloat16*>(a.gu),
-      static_cast<const __nv_bfloat16*>(a.h), a.row_weight, a.dw_partial, dw_blocks, int(I),
-      a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
-  // The weight gradients, as experts_wgrad computes them: A and B read transposed (MN-major).
-  using Wgrad = detail::BackwardWgradMainloop;
-  constexpr int kOnePlaneW = 1 << 30;
-  auto wgrad_load = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols) {
-    return Wgrad::Params{Wgrad::make_a(bf(a_ptr), int(a_cols), int(cap), 1, a_row_stride, 0),
-                         Wgrad::make_b(bf(b_ptr), int(b_cols), int(cap), 1, b_cols, 0),
-                         Wgrad::make_b(bf(b_ptr), int(b_cols), int(cap), 1, b_cols, 0),
-                         int(a_cols), int(cap), 1, int(b_cols), int(cap), 1, kOnePlaneW, /*b_by_expert=*/0};
-  };
-  p.wgrad_load[0] = wgrad_load(a.dgu, I, 2 * I, a.x_rows, H);
-  p.wgrad_load[1] = wgrad_load(bf(a.dgu) + I, I, 2 * I, a.x_rows, H);
-  p.wgrad_load[2] = wgrad_load(a.dy_rows, H, H, a.hw, I);
+  // The GEMMs of the stage kernels (experts_backward), on the kept rows.
+  p.first_load = host_util::dh_operands(a.dy_rows, a.w_down, cap, H, I, El);
+  p.second_load = host_util::dx_operands(a.dgu, a.w_gate, a.w_up, cap, H, I, El);
+  p.first_store =
+      host_util::swiglu_backward_target(a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
+  p.wgrad_load[0] = host_util::weight_grad_operands(a.dgu, I, 2 * I, a.x_rows, H, cap);
+  p.wgrad_load[1] = host_util::weight_grad_operands(bf(a.dgu) + I, I, 2 * I, a.x_rows, H, cap);
+  p.wgrad_load[2] = host_util::weight_grad_operands(a.dy_rows, H, H, a.hw, I, cap);
   void* const outs[3] = {a.d_w_gate, a.d_w_up, a.d_w_down};
   const int64_t out_rows[3] = {I, I, H}, out_cols[3] = {H, H, I};
   p.wgrad_bf16_out = a.d_w_type == GradType::bf16 ? 1 : 0;
   for (int g = 0; g < 3; ++g) {  // both kinds of store are set (valid descriptors); one is used
-    const int64_t rows = out_rows[g], cols = out_cols[g];
-    p.wgrad_bf16[g] = detail::StoreBf16PlanesEpilogue::Params{
-        {detail::make_store_tma(bf(outs[g]), int(rows), int(cols), cols, int(El), rows * cols), int(rows), int(cols),
-         int(El)}};
-    p.wgrad_f32[g] = detail::StoreF32Epilogue::Params{
-        {detail::make_store_tma_f32(static_cast<float*>(outs[g]), int(rows), int(cols), cols, int(El), rows * cols),
-         int(rows), int(cols), int(El)}};
+    p.wgrad_bf16[g] = host_util::bf16_planes_target(outs[g], out_rows[g], out_cols[g], El);
+    p.wgrad_f32[g] = host_util::f32_planes_target(outs[g], out_rows[g], out_cols[g], El);
   }
   p.wg_m = ceil_div(I, GemmConfig::kBlockM);
   p.wg_n = ceil_div(H, GemmConfig::kBlockN);
   p.wd_m = ceil_div(H, GemmConfig::kBlockM);
   p.wd_n = ceil_div(I, GemmConfig::kBlockN);
-  p.experts = int(El);
-  p.row_capacity = int(cap);
-  p.mb_rows = int(M);
-  p.ring_rows = int(counters.minibatches * M);  // one slot per minibatch: every row is kept
-  p.n_first = dw_blocks;
+  // One ring slot per minibatch: every row is kept. Comm warps pull (no comm CTAs).
+  wire_pass(p, a, a.dy_rows, counters.minibatches * M, /*comm=*/0, l.dy, l.dx_slots, l.dx_arrived(me));
+  p.n_first = int(dw_partial_blocks(I));
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, Mainloop::kBlockK);
   p.k_second = 2 * ceil_div(I, Mainloop::kBlockK);
-  p.comm_ctas = 0;
-  p.comm_warps = 1;
-  p.ranks = R;
-  p.rank = me;
-  p.topk = int(shape.topk);
-  p.slots = int(shape.slots());
-  p.hidden = int(H);
-  p.row_vectors = int(H / 8);
-  p.offsets = a.expert_offsets;
-  p.src_rank = a.src_rank;
-  p.src_slot = a.src_slot;
-  p.ring_x = static_cast<uint4*>(a.dy_rows);
   p.row_weight = a.row_weight;
-  p.x_ready = a.counters + counters.x_ready();
-  p.y_done = a.counters + counters.y_done();
-  p.h_ready = a.counters + counters.h_ready();
-  p.done_ctas = a.counters + counters.done_ctas();
-  p.epoch = a.epoch;
-  p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
-#ifdef MOK_EXPERIMENTS
-  p.experiment_skips = experiment_skips();
-#endif
   for (int s = 0; s < R; ++s) {
-    p.x[s] = SymmetricLayout::at<const uint4>(a.bases[experiment_local_peer("pull", me, s)], l.dy);
     p.topk_w[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
-    p.combine[s] = SymmetricLayout::at<__nv_bfloat16>(a.bases[experiment_local_peer("push", me, s)], l.dx_slots);
     p.dw_slots[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
-    p.arrived[s] = signal_word(a.bases[s], l.dx_arrived(me));
   }
   void* args[] = {&p};
   check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(detail::megakernel_kernel<detail::BackwardPass>),

@@ -113,24 +113,20 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     cudaMemset(rk.buffers->ring_x(), 0xff, size_t(ring * H * 2));  // rows the dispatch does not write stay NaN
     cudaMemset(rk.buffers->ring_h(), 0xff, size_t(ring * I * 2));
     if (cfg.backward) {
-      rk.dx = bf(T * H);
-      rk.dx->poison();
+      auto poisoned = [](auto buffer) {  // outputs start as NaN
+        buffer->poison();
+        return buffer;
+      };
       auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
-      rk.d_topk_w = f32(T * k);
-      rk.d_topk_w->poison();
-      rk.dwg = f32(El * I * H);
-      rk.dwu = f32(El * I * H);
-      rk.dwd = f32(El * H * I);
-      rk.dwg->poison();
-      rk.dwu->poison();
-      rk.dwd->poison();
+      rk.dx = poisoned(bf(T * H));
+      rk.d_topk_w = poisoned(f32(T * k));
+      rk.dwg = poisoned(f32(El * I * H));
+      rk.dwu = poisoned(f32(El * I * H));
+      rk.dwd = poisoned(f32(El * H * I));
       if (cfg.bf16_grads) {
-        rk.dwg16 = bf(El * I * H);
-        rk.dwu16 = bf(El * I * H);
-        rk.dwd16 = bf(El * H * I);
-        rk.dwg16->poison();
-        rk.dwu16->poison();
-        rk.dwd16->poison();
+        rk.dwg16 = poisoned(bf(El * I * H));
+        rk.dwu16 = poisoned(bf(El * I * H));
+        rk.dwd16 = poisoned(bf(El * H * I));
       }
       std::vector<uint16_t> dy = to_bits((*cfg.dy)[r]);
       cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.dy), dy.data(), dy.size() * 2, cudaMemcpyHostToDevice);

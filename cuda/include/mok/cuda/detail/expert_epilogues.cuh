@@ -15,6 +15,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "mok/cuda/detail/gemm_config.cuh"
 #include "mok/cuda/detail/grouped_tile_scheduler.cuh"
 #include "mok/cuda/detail/swiglu.cuh"
 
@@ -72,6 +73,7 @@ struct StagingTraits<StoreTensor> {
   using Layout = SmemLayoutEpilogue;
   using TileShape = EpilogueTileShape;
   static constexpr int kCols = 64;
+  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 template <>
 struct StagingTraits<StoreTensorF32> {
@@ -80,6 +82,7 @@ struct StagingTraits<StoreTensorF32> {
   using Layout = SmemLayoutEpilogueF32;
   using TileShape = EpilogueTileShapeF32;
   static constexpr int kCols = 32;
+  static __device__ __forceinline__ Pair pack(float a, float b) { return make_float2(a, b); }
 };
 
 // Calls f(Int<0>{}), ..., f(Int<N-1>{}): loops whose index must be a compile-time constant (an
@@ -201,45 +204,31 @@ struct StoreEpilogue {
   }
 };
 
-// fp32 weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns.
-struct StoreF32Epilogue {
+// Weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns, in the target's
+// element type (fp32, or bf16 rounded once), in chunks of the staging tile's columns.
+template <class Target>
+struct StorePlanesEpilogue {
   struct Params {
-    StoreTensorF32 out;
+    Target out;
   };
 
   template <class Acc, class Coords>
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
-    static_for<8>([&](auto c_) {
+    using Traits = StagingTraits<Target>;
+    constexpr int kChunks = GemmConfig::kBlockN / Traits::kCols;
+    static_for<kChunks>([&](auto c_) {
       constexpr int c = decltype(c_)::value;
-      store_chunk<16 * c>(staging, c, p.out, coords, 32 * c, t.m_block, 8 * t.n_block + c, t.expert, thread,
-                          [&](auto i_) {
-                            constexpr int i = decltype(i_)::value;
-                            return make_float2(acc(i), acc(i + 1));
-                          });
+      store_chunk<Traits::kCols / 2 * c>(staging, c, p.out, coords, Traits::kCols * c, t.m_block,
+                                         kChunks * t.n_block + c, t.expert, thread, [&](auto i_) {
+                                           constexpr int i = decltype(i_)::value;
+                                           return Traits::pack(acc(i), acc(i + 1));
+                                         });
     });
   }
 };
-
-// bf16 weight gradient tiles: out[expert][row, col] = bf16(acc) over the tile's 256 columns.
-struct StoreBf16PlanesEpilogue {
-  struct Params {
-    StoreTensor out;
-  };
-
-  template <class Acc, class Coords>
-  static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
-                               bfloat16_t* staging) {
-    static_for<4>([&](auto c_) {
-      constexpr int c = decltype(c_)::value;
-      store_chunk<32 * c>(staging, c, p.out, coords, 64 * c, t.m_block, 4 * t.n_block + c, t.expert, thread,
-                          [&](auto i_) {
-                            constexpr int i = decltype(i_)::value;
-                            return __floats2bfloat162_rn(acc(i), acc(i + 1));
-                          });
-    });
-  }
-};
+using StoreF32Epilogue = StorePlanesEpilogue<StoreTensorF32>;
+using StoreBf16PlanesEpilogue = StorePlanesEpilogue<StoreTensor>;
 
 // Backward of the down projection's input side, fused with the SwiGLU backward. The accumulator
 // is dh = dy * W_down (unscaled) for 256 columns of I. With the saved g, u (bf16), h and the row's

@@ -38,6 +38,40 @@ struct GroupedGemmSharedStorage {
 // Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles.
 enum class TileOrder { grouped_rows, expert_weights };
 
+// The consumers' mainloop of one tile: acc = the sum over k-blocks [k_begin, k_end) (at least
+// one) of the stages' A x B^T, reading each stage once its TMA loads landed and releasing it once
+// the wgmma batch after it was issued (one batch stays in flight). Every kernel here and both
+// megakernel passes reduce with it, so a tile's bits depend only on its operands and k order.
+template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
+__device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                                                Pipeline& pipeline, State& read_state, State& release_state,
+                                                int k_begin, int k_end) {
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(acc);
+  for (int kb = k_begin; kb < k_end; ++kb) {
+    pipeline.consumer_wait(read_state);
+    const int stage = read_state.index();
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+      cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    // Keep one batch of wgmma in flight; the stage before it is then free.
+    warpgroup_wait<1>();
+    if (kb > k_begin) {
+      pipeline.consumer_release(release_state);
+      ++release_state;
+    }
+    ++read_state;
+  }
+  warpgroup_wait<0>();
+  pipeline.consumer_release(release_state);
+  ++release_state;
+  warpgroup_fence_operand(acc);
+}
+
 template <class Mainloop, class Epilogue>
 struct GroupedGemmParams {
   typename Mainloop::Params mainloop;
@@ -124,30 +158,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (t.k_end <= t.k_begin) {
         clear(acc);  // nothing to reduce (an empty expert's weight gradient): the tile is zero
       } else {
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-        warpgroup_fence_operand(acc);
-        for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-          pipeline.consumer_wait(read_state);
-          const int stage = read_state.index();
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-            cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
-            mma.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-          // Keep one batch of wgmma in flight; the stage before it is then free.
-          warpgroup_wait<1>();
-          if (kb > t.k_begin) {
-            pipeline.consumer_release(release_state);
-            ++release_state;
-          }
-          ++read_state;
-        }
-        warpgroup_wait<0>();
-        pipeline.consumer_release(release_state);
-        ++release_state;
-        warpgroup_fence_operand(acc);
+        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end);
       }
       Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
     }

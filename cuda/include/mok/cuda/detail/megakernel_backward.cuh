@@ -23,7 +23,9 @@ namespace mok::cuda::detail {
 using BackwardDgradMainloop = BackwardMainloop<GMMA::Major::K>;
 using BackwardWgradMainloop = BackwardMainloop<GMMA::Major::MN>;
 
-struct MegaBackwardParams {
+// The pass's ring_x is dy_rows [row_capacity, H], x the ranks' dy, combine their dx_slots and
+// arrived their dx_arrived words of this rank.
+struct MegaBackwardParams : MegaPassParams {
   static constexpr bool kPullsRowWeights = true;
   static constexpr bool kWeightGradients = true;
   static constexpr int32_t kWaitFirst = kWaitDyRows, kWaitSecond = kWaitDgradTiles;
@@ -36,29 +38,9 @@ struct MegaBackwardParams {
   StoreBf16PlanesEpilogue::Params wgrad_bf16[3];
   int32_t wgrad_bf16_out;
   int32_t wg_m, wg_n, wd_m, wd_n;  // tiles of dW_gate / dW_up (I x H) and of dW_down (H x I)
-  int32_t experts, row_capacity;
-  int32_t ring_rows, mb_rows;  // ring_rows >= every minibatch's rows: one slot per minibatch
-  int32_t n_first, n_second, k_first, k_second;
-  int32_t comm_ctas;   // 0: comm warps pull (the only mode the backward uses)
-  int32_t comm_warps;  // 1
-  int32_t ranks, rank, topk, slots, hidden, row_vectors;
-  const int32_t* offsets;
-  const int32_t* src_rank;
-  const int32_t* src_slot;
-  uint4* ring_x;      // dy_rows [row_capacity, H]
-  float* row_weight;  // [row_capacity]: topk_w of each row's (token, j), 0 for padding
-  uint32_t* x_ready;
-  uint32_t* y_done;
-  uint32_t* h_ready;
-  uint32_t* done_ctas;
-  uint32_t epoch;
-  WaitStatus status;
-  const uint4* x[kMaxRanks];          // dy [T, H] on each rank
-  const float* topk_w[kMaxRanks];     // [T*k] on each rank
-  __nv_bfloat16* combine[kMaxRanks];  // dx_slots [T*k, H] on each rank
-  float* dw_slots[kMaxRanks];         // [T*k] on each rank
-  uint32_t* arrived[kMaxRanks];       // rank s's dx_arrived word of this rank
-  MOK_EXPERIMENT_FIELDS
+  float* row_weight;               // [row_capacity]: topk_w of each row's (token, j), 0 for padding
+  const float* topk_w[kMaxRanks];  // [T*k] on each rank
+  float* dw_slots[kMaxRanks];      // [T*k] on each rank
 };
 
 // Where the dx rows go: as CombineTarget, into dx_slots.
@@ -177,31 +159,7 @@ struct BackwardPass {
       store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[0]);
       return;
     }
-    {
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(acc);
-      for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
-        pipeline.consumer_wait(read_state);
-        const int stage = read_state.index();
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-          cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        if (kb > task.tile.k_begin) {
-          pipeline.consumer_release(release_state);
-          ++release_state;
-        }
-        ++read_state;
-      }
-      warpgroup_wait<0>();
-      pipeline.consumer_release(release_state);
-      ++release_state;
-      warpgroup_fence_operand(acc);
-    }
+    reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, task.tile.k_begin, task.tile.k_end);
     store(p, g, task.tile, acc, t, smem.staging[0]);
   }
 

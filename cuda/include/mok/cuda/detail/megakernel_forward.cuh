@@ -123,32 +123,37 @@ __device__ bool wait_at_least(const uint32_t* p, uint32_t target, const WaitStat
   }
 }
 
-struct MegaForwardParams {
-  static constexpr bool kPullsRowWeights = false;  // the backward's pull also copies each row's topk_w
-  static constexpr bool kWeightGradients = false;  // the backward's tasks end with the weight gradients
-  static constexpr int32_t kWaitFirst = kWaitRows, kWaitSecond = kWaitHidden;  // what a timeout names
-  ForwardMainloop::Params first_load, second_load;  // gate|up, down
-  SwiGluEpilogue::Params first_store;  // h into the ring; g|u (optional) at global rows
+// What megakernel_kernel reads of either pass beside its GEMMs' loads and epilogues: the
+// schedule, the ring, the counters, the pull's sources and the push's targets on every rank.
+struct MegaPassParams {
   int32_t experts, row_capacity;
   int32_t ring_rows, mb_rows;       // S = ring_rows / mb_rows slots
-  int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks: gate/up, then down
+  int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks of the two GEMMs
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
   const int32_t* src_slot;
-  uint4* ring_x;                     // [ring_rows, H]
+  uint4* ring_x;                     // [ring_rows, H]: the pulled rows
   uint32_t* x_ready;                 // [max minibatches]
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
   uint32_t epoch;
   WaitStatus status;
-  const uint4* x[kMaxRanks];               // [T, H] on each rank
-  __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank
-  uint32_t* arrived[kMaxRanks];            // rank s's combine_arrived word of this (source) rank
+  const uint4* x[kMaxRanks];               // [T, H] on each rank: what is pulled (x, or dy)
+  __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
+  uint32_t* arrived[kMaxRanks];            // rank s's arrival word of this (source) rank
   MOK_EXPERIMENT_FIELDS
+};
+
+struct MegaForwardParams : MegaPassParams {
+  static constexpr bool kPullsRowWeights = false;  // the backward's pull also copies each row's topk_w
+  static constexpr bool kWeightGradients = false;  // the backward's tasks end with the weight gradients
+  static constexpr int32_t kWaitFirst = kWaitRows, kWaitSecond = kWaitHidden;  // what a timeout names
+  ForwardMainloop::Params first_load, second_load;  // gate|up, down
+  SwiGluEpilogue::Params first_store;  // h into the ring; g|u (optional) at global rows
 };
 
 // The schedule's rows, or 0 when the offsets are malformed (the compute CTAs then do nothing
@@ -540,29 +545,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
       const int k_blocks = tasks.at(linear).tile.k_end;
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(acc);
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        pipeline.consumer_wait(read_state);
-        const int stage = read_state.index();
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-          cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        if (kb > 0) {
-          pipeline.consumer_release(release_state);
-          ++release_state;
-        }
-        ++read_state;
-      }
-      warpgroup_wait<0>();
-      pipeline.consumer_release(release_state);
-      ++release_state;
-      warpgroup_fence_operand(acc);
+      reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
         Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
