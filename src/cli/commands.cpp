@@ -221,6 +221,8 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
   if (gpu.fused_skipped.empty()) {
     std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; %s)\n", "forward", "fused", median(gpu.fused_forward_ms),
                 routed / median(gpu.fused_forward_ms) / 1e6, gpu.fused_plan.c_str());
+    std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; the backward megakernel)\n", "backward", "fused",
+                median(gpu.fused_backward_ms), 2 * routed / median(gpu.fused_backward_ms) / 1e6);
   }
   std::printf("%-12s %-8s %12.2f %12.2f\n", "forward", "cpu ref", cpu_fwd_ms, fwd_flops / cpu_fwd_ms / 1e6);
   std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu ref", cpu_bwd_ms, 2 * fwd_flops / cpu_bwd_ms / 1e6);
@@ -237,6 +239,10 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
                 static_cast<long long>(gpu.fused_identical_runs), static_cast<long long>(runs),
                 gpu.fused_difference.empty() ? "" : "; ", gpu.fused_difference.c_str());
     ok = ok && gpu.fused_identical_runs == runs;
+    std::printf("fused backward (megakernel): %lld of %lld runs bitwise equal to the staged backward%s%s\n",
+                static_cast<long long>(gpu.fused_backward_identical_runs), static_cast<long long>(runs),
+                gpu.fused_backward_difference.empty() ? "" : "; ", gpu.fused_backward_difference.c_str());
+    ok = ok && gpu.fused_backward_identical_runs == runs;
   } else {
     std::printf("fused forward (megakernel): not run: %s\n", gpu.fused_skipped.c_str());
   }

@@ -55,6 +55,11 @@ class DeviceArray {
     if (!v.empty())
       check(cudaMemcpy(ptr_ + offset, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
   }
+  std::vector<T> download() const {
+    std::vector<T> v(count_);
+    if (!v.empty()) check(cudaMemcpy(v.data(), ptr_, v.size() * sizeof(T), cudaMemcpyDeviceToHost), "download");
+    return v;
+  }
 
  private:
   T* ptr_ = nullptr;
@@ -303,13 +308,16 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   return why;
 }
 
-// The fused forward of every rank (megakernel.h), ranks sharing this GPU: each on its own stream
-// with SMs / R - 1 CTAs (all of a rank's CTAs must be resident while it spins; the spare SM per
-// rank keeps the others' small kernels from holding one). Its y must equal the staged forward's
-// bit for bit (same tiles, k order and epilogues); the shared expert's output comes from the
-// staged run. Records why it did not run rather than failing the staged result.
-static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<RankBuffers>& ranks,
-                   const std::vector<std::vector<float>>& staged_y, int64_t runs, CudaLayer& out) {
+// The fused forward and backward of every rank (megakernel.h), ranks sharing this GPU: each on its
+// own stream with SMs / R - 1 CTAs (all of a rank's CTAs must be resident while it spins; the
+// spare SM per rank keeps the others' small kernels from holding one). The forward keeps every
+// row (the ring holds them all) and the backward megakernel runs after it. y, dx, d topk_w and the
+// routed weight gradients must equal the staged run's bit for bit (same tiles, k order and
+// epilogues); the shared expert's output and input gradient come from the staged run. Records
+// why it did not run rather than failing the staged result.
+static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<RankBuffers>& ranks,
+                        const std::vector<std::vector<float>>& staged_y, const ref::LayerGrads<float>& staged,
+                        int64_t runs, CudaLayer& out) {
   const MoeDesc& d = in.desc;
   const int R = static_cast<int>(d.ranks);
   const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
@@ -331,8 +339,10 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
   DeviceFacts facts = DeviceFacts::h200();
   facts.sm_count = ctas;
   const MoeConfig config = plan(planned, facts);
-  const int64_t minibatch = config.minibatch_rows, ring = config.ring_rows;
+  const int64_t minibatch = config.minibatch_rows, cap = cuda::routed_row_capacity(shape);
+  const int64_t ring = (cap + minibatch - 1) / minibatch * minibatch;  // every row kept, for the backward
   const int comm = std::min(config.comm_sms, ctas / 4);  // 0: comm warps
+  const int64_t El = d.local_experts();
   out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
                    (comm > 0 ? std::to_string(comm) + " comm of " : std::string("comm warps in each of ")) +
                    std::to_string(ctas) + " CTAs per rank";
@@ -340,9 +350,10 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
   struct FusedRank {
     DeviceArray<uint8_t> symmetric;
     std::unique_ptr<cuda::FusedBuffers> buffers;
-    DeviceArray<uint16_t> y;
+    DeviceArray<uint16_t> y, gu, dx;
+    DeviceArray<float> d_topk_w, d_gate, d_up, d_down;
     cudaStream_t stream = nullptr;
-    cudaEvent_t start = nullptr, stop = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr, backward_start = nullptr, backward_stop = nullptr;
   };
   std::vector<FusedRank> fr(static_cast<size_t>(R));
   std::vector<void*> bases;
@@ -358,19 +369,25 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
                      cudaMemcpyDeviceToDevice), "copy topk_idx");
     check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.topk_w), b.topk_w.get(), size_t(T * k) * 4,
                      cudaMemcpyDeviceToDevice), "copy topk_w");
+    check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.dy), b.dy.get(), size_t(T * H) * 2, cudaMemcpyDeviceToDevice),
+          "copy dy");
     bases.push_back(base);
-    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/false);
+    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/true);
     f.y = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused y");
+    f.gu = DeviceArray<uint16_t>(static_cast<size_t>(cap * 2 * I), "fused g|u");
+    f.dx = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused dx");
+    f.d_topk_w = DeviceArray<float>(static_cast<size_t>(T * k), "fused d topk_w");
+    f.d_gate = DeviceArray<float>(static_cast<size_t>(El * I * H), "fused dW_gate");
+    f.d_up = DeviceArray<float>(static_cast<size_t>(El * I * H), "fused dW_up");
+    f.d_down = DeviceArray<float>(static_cast<size_t>(El * H * I), "fused dW_down");
     check(cudaStreamCreateWithFlags(&f.stream, cudaStreamNonBlocking), "stream");
-    check(cudaEventCreate(&f.start), "event");
-    check(cudaEventCreate(&f.stop), "event");
+    for (cudaEvent_t* e : {&f.start, &f.stop, &f.backward_start, &f.backward_stop}) check(cudaEventCreate(e), "event");
   }
   // The legacy-stream copies and memsets above are done before any rank's stream starts.
   check(cudaDeviceSynchronize(), "fused forward setup");
   auto release = [&]() {
     for (FusedRank& f : fr) {
-      cudaEventDestroy(f.start);
-      cudaEventDestroy(f.stop);
+      for (cudaEvent_t e : {f.start, f.stop, f.backward_start, f.backward_stop}) cudaEventDestroy(e);
       cudaStreamDestroy(f.stream);
     }
   };
@@ -388,9 +405,10 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
         a.w_up = b.w_up.get();
         a.w_down = b.w_down.get();
         f.buffers->wire(a);
+        a.gu = f.gu.get();
         a.y_shared = d.has_shared() ? b.y_shared.get() : nullptr;
         a.y = f.y.get();
-        a.epoch = static_cast<uint32_t>(run + 1);
+        a.epoch = static_cast<uint32_t>(2 * run + 1);  // the forward and the backward share one sequence
         a.comm_ctas = comm;
         a.num_sms = ctas;
         a.swiglu_limit = d.swiglu_limit;
@@ -398,23 +416,90 @@ static void fused_forward(const ref::LayerInputs<float>& in, const std::vector<R
         cuda::moe_forward(a, f.stream);
         check(cudaEventRecord(f.stop, f.stream), "event");
       }
-      double slowest = 0;
+      for (int r = 0; r < R; ++r) {  // the backward megakernel of every rank, after its forward
+        FusedRank& f = fr[static_cast<size_t>(r)];
+        const RankBuffers& b = ranks[static_cast<size_t>(r)];
+        for (const auto& [ptr, bytes] : {std::pair<void*, size_t>{f.dx.get(), f.dx.bytes()},
+                                         {f.d_topk_w.get(), f.d_topk_w.bytes()}, {f.d_gate.get(), f.d_gate.bytes()},
+                                         {f.d_up.get(), f.d_up.bytes()}, {f.d_down.get(), f.d_down.bytes()}})
+          check(cudaMemsetAsync(ptr, 0xff, bytes, f.stream), "poison the fused gradients");
+        cuda::MoeBackwardArgs g;
+        g.rank = r;
+        g.bases = bases.data();
+        g.w_gate = b.w_gate.get();
+        g.w_up = b.w_up.get();
+        g.w_down = b.w_down.get();
+        f.buffers->wire(g);  // the forward's schedule and rows (the ring holds every row), the scratch
+        g.gu = f.gu.get();
+        g.dx_shared = d.has_shared() ? b.dx_shared.get() : nullptr;
+        g.dx = f.dx.get();
+        g.d_topk_w = f.d_topk_w.get();
+        g.d_w_gate = f.d_gate.get();
+        g.d_w_up = f.d_up.get();
+        g.d_w_down = f.d_down.get();
+        g.epoch = static_cast<uint32_t>(2 * run + 2);
+        g.num_sms = ctas;
+        g.fused = true;
+        g.swiglu_limit = d.swiglu_limit;
+        check(cudaEventRecord(f.backward_start, f.stream), "event");
+        cuda::moe_backward(g, f.stream);
+        check(cudaEventRecord(f.backward_stop, f.stream), "event");
+      }
+      double slowest = 0, slowest_backward = 0;
       for (int r = 0; r < R; ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
-        check(cudaStreamSynchronize(f.stream), "fused forward of rank " + std::to_string(r));
+        check(cudaStreamSynchronize(f.stream), "fused forward and backward of rank " + std::to_string(r));
         float ms = 0;
         check(cudaEventElapsedTime(&ms, fr[0].start, f.stop), "event time");
         slowest = std::max(slowest, double(ms));
+        check(cudaEventElapsedTime(&ms, fr[0].backward_start, f.backward_stop), "event time");
+        slowest_backward = std::max(slowest_backward, double(ms));
       }
       for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
         int32_t words[4];
         check(cudaMemcpy(words, f.buffers->status(), sizeof words, cudaMemcpyDeviceToHost), "read the status");
-        const std::string why = cuda::describe_wait_status(words, static_cast<uint32_t>(run + 1));
+        const std::string why = cuda::describe_wait_status(words, static_cast<uint32_t>(2 * run + 2));
         if (!why.empty()) out.fused_difference = why;
+        int32_t experts = 0;
+        check(cudaMemcpy(&experts, f.buffers->experts_status(), sizeof experts, cudaMemcpyDeviceToHost),
+              "read the expert kernels' status");
+        if (experts != 0) out.fused_backward_difference = cuda::status_message(experts);
       }
       if (run == 0) continue;
       out.fused_forward_ms.push_back(slowest);
+      out.fused_backward_ms.push_back(slowest_backward);
+      {  // the backward's outputs against the staged run's
+        bool same = out.fused_difference.empty() && out.fused_backward_difference.empty();
+        auto first = [&](const std::string& name, const std::vector<float>& got, const std::vector<float>& want) {
+          const int64_t at = first_bit_difference(got, want);
+          if (same && at >= 0) {
+            same = false;
+            out.fused_backward_difference = name + " differs from the staged backward at index " +
+                                            std::to_string(at) + " in run " + std::to_string(run);
+          }
+        };
+        ref::RoutedWeights<float> dw;
+        for (int r = 0; r < R; ++r) {
+          const FusedRank& f = fr[static_cast<size_t>(r)];
+          const std::string of = " of rank " + std::to_string(r);
+          std::vector<uint16_t> bits(static_cast<size_t>(T * H));
+          if (!bits.empty())
+            check(cudaMemcpy(bits.data(), f.dx.get(), bits.size() * 2, cudaMemcpyDeviceToHost), "download fused dx");
+          std::vector<float> dx(bits.size());
+          for (size_t i = 0; i < bits.size(); ++i) dx[i] = bf16_to_float(bf16{bits[i]});
+          first("dx" + of, dx, staged.dx[static_cast<size_t>(r)]);
+          first("d topk_w" + of, f.d_topk_w.download(), staged.d_topk_w[static_cast<size_t>(r)]);
+          for (const auto& [to, from] : {std::pair{&dw.gate, &f.d_gate}, {&dw.up, &f.d_up}, {&dw.down, &f.d_down}}) {
+            const std::vector<float> part = from->download();
+            to->insert(to->end(), part.begin(), part.end());
+          }
+        }
+        first("dW_gate", dw.gate, staged.d_routed.gate);
+        first("dW_up", dw.up, staged.d_routed.up);
+        first("dW_down", dw.down, staged.d_routed.down);
+        out.fused_backward_identical_runs += same ? 1 : 0;
+      }
       bool same = out.fused_difference.empty();
       for (int r = 0; r < R && same; ++r) {
         std::vector<uint16_t> bits(static_cast<size_t>(T * H));
@@ -917,7 +1002,7 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
   }
 
   if (fused) {
-    fused_forward(in, ranks, first_run.y, runs, out);
+    fused_layer(in, ranks, first_run.y, first_run.grads, runs, out);
   } else {
     out.fused_skipped = "--fused off";
   }

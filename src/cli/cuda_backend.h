@@ -46,11 +46,16 @@ struct CudaLayer {
   int64_t fused_identical_runs = 0;        // runs whose y is bitwise the staged forward's
   std::string fused_difference;            // the first difference, or a rank's status message
   std::string fused_plan;                  // minibatch, ring and comm CTAs it ran with
+  // The fused backward (the backward megakernel) after each fused forward, checked bitwise against
+  // the staged backward's dx, d topk_w and routed weight gradients.
+  std::vector<double> fused_backward_ms;   // per timed run, first launch to last rank done
+  int64_t fused_backward_identical_runs = 0;
+  std::string fused_backward_difference;
 };
 
 // Runs forward then backward (dy [R][T*H], bf16 values) `runs` times after one untimed warm-up,
-// then (fused) the fused forward `runs` times, checked bitwise against the staged forward's y,
-// outputs poisoned before every run. Throws NotSupported (no device, shapes the kernels do not
+// then (fused) the fused forward and the backward megakernel `runs` times, checked bitwise against
+// the staged forward's y and the staged backward's gradients, outputs poisoned before every run. Throws NotSupported (no device, shapes the kernels do not
 // take) or std::runtime_error (a CUDA error, a kernel status) with a message that starts with
 // "backend cuda: ".
 CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::vector<float>>& dy, int64_t runs,
