@@ -306,8 +306,34 @@ def _fill_timing(row: dict[str, Any], timing: Any, cost: Cost, ceilings: dict[st
     )
 
 
+def _profile_pass(rt: Runtime, runner: Runner, pass_name: str, out_dir: Path, label: str, iters: int = 5) -> None:
+    """Where a pass's device time goes: `iters` more runs of it (a backward's forward included)
+    under the torch profiler, one table of kernels by device time per rank (development aid, not
+    a result: the profiler serializes nothing but adds its own launches' cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def once() -> None:
+        if pass_name == "forward":
+            runner.forward()
+        else:
+            runner.backward(runner.forward())
+
+    once()
+    rt.barrier()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.is_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            once()
+        rt.barrier()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in label)
+    table = prof.key_averages().table(sort_by="self_device_time_total" if rt.is_cuda else "self_cpu_time_total", row_limit=30, max_name_column_width=90)
+    (out_dir / f"profile_{safe}_rank{rt.rank}.txt").write_text(
+        f"{label}: {iters} runs of the {pass_name} pass (times are totals over the runs)\n{table}\n")
+
+
 def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any], impl_names: list[str] | None,
-             policy: TimingPolicy, progress: Any) -> list[dict[str, Any]]:
+             policy: TimingPolicy, progress: Any, profile_dir: Path | None = None) -> list[dict[str, Any]]:
     specs = impls_for(case.kind, impl_names)
     rows: list[dict[str, Any]] = []
     case_start = time.perf_counter()
@@ -390,6 +416,10 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
             )
             if timed.status == OK:
                 _fill_timing(row, timed.value, setup.costs[pass_name], ceilings)
+                if profile_dir is not None:
+                    agreed_step(rt, f"{spec.name} {pass_name} profile on {case.label}",
+                                lambda runner=runner, pass_name=pass_name: _profile_pass(
+                                    rt, runner, pass_name, profile_dir, f"{case.label}_{spec.name}_{pass_name}"))
             else:
                 row["status"] = STATUS_NAMES[timed.status]
                 row["skip_reason" if timed.status == SKIPPED else "error"] = timed.message
@@ -486,6 +516,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="most memory the symm_a2a send/recv buffers may take (allocated once, kept for the run)")
     ap.add_argument("--collective-timeout-s", type=float, default=240.0,
                     help="a collective that waits longer aborts the run (results so far are already written)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also write each timed pass's kernels by device time (torch profiler) under this folder")
     ap.add_argument("--list", action="store_true", help="print the selected cases and impls, run nothing")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap.parse_args(argv)
@@ -574,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress.update(1)
             continue
         progress.set_postfix_str(case.label)
-        doc["cases"].extend(run_case(case, rt, ctx, ceilings, impl_names, policy, progress))
+        doc["cases"].extend(run_case(case, rt, ctx, ceilings, impl_names, policy, progress, args.profile))
         _release_memory()  # the case's tensors died with run_case's frame
         if rt.is_main:
             doc["elapsed_s"] = time.time() - started

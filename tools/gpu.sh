@@ -185,7 +185,8 @@ fi
 if has sweep_2gpu; then
   # Plan sweeps of the fused layer (bench/impls/mok_kernels.py: MOK_BENCH_PLAN), one torchrun per
   # entry: MOK_SWEEP_PLANS="comm=8;default;default NCCL_DEBUG=INFO" (a plan or
-  # "default", then optional VAR=value settings for that run), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS.
+  # "default", then optional VAR=value settings for that run), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS;
+  # MOK_SWEEP_PROFILE=1: each timed pass's kernels by device time (torch profiler) under profile_<plan>/.
   IFS=';' read -ra entries <<< "${MOK_SWEEP_PLANS:-}"
   for entry in "${entries[@]}"; do
     read -r plan settings <<< "$entry"
@@ -194,7 +195,7 @@ if has sweep_2gpu; then
     env ${settings:-} MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left 200)" torchrun --standalone --nproc-per-node=2 -m bench.run \
       --cases "${MOK_SWEEP_CASES:-baselines_2gpu:tokens=8192,routing=balanced}" --impls "${MOK_SWEEP_IMPLS:-mok,mok_gemms}" \
       --passes "${MOK_SWEEP_PASSES:-forward}" --out "$LOGS/sweep_$tag.json" --iter-budget-s 0.5 \
-      > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $entry exited non-zero"; }
+      ${MOK_SWEEP_PROFILE:+--profile "$LOGS/profile_$tag"} > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $entry exited non-zero"; }
     log "sweep $entry:"
     python3 -m bench.render "$LOGS/sweep_$tag.json" > /dev/null 2>&1
     grep -E "^\| [a-z]" "$LOGS/sweep_$tag.md" | grep -v "^| preset" | cut -d'|' -f2,6,7,8,14,15 | tee -a "$LOGS/summary.txt"
