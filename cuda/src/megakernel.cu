@@ -61,6 +61,7 @@ int32_t experiment_skips() {
     if (v.find("pull") != std::string::npos) bits |= detail::kSkipPull;
     if (v.find("push") != std::string::npos) bits |= detail::kSkipPush;
     if (v.find("waits") != std::string::npos) bits |= detail::kSkipWaits;
+    if (v.find("hwait") != std::string::npos) bits |= detail::kSkipHWait;
     return bits;
   }();
   return skips;
@@ -73,7 +74,8 @@ int32_t experiment_skips() {
 //       own buffers instead of the source ranks' (what NVLink costs the fused passes, session 6);
 //   MOK_EXPERIMENT_SKIP=pull,push,waits  the comm warps count rows without copying them, the push
 //       epilogue stages its tile but stores nothing, the producers issue loads without waiting on
-//       the counters (what each costs the megakernel over its GEMMs alone).
+//       the counters (what each costs the megakernel over its GEMMs alone); hwait: a gate|up tile
+//       counts its h row block without waiting for its h stores to complete.
 int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] int me, int s) {
 #ifdef MOK_EXPERIMENTS
   static const std::string mode = [] {

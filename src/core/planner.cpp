@@ -85,11 +85,11 @@ int64_t minibatch_rows_for_two_waves(const MoeDesc& desc, const TileShape& tiles
 }
 
 int64_t ring_row_bytes(const MoeDesc& desc) {
-  const int64_t H = desc.hidden, I = desc.intermediate;
-  const int64_t forward = 2 * H /*x*/ + 4 * I /*g|u*/ + 2 * I /*h*/ + 2 * H /*y*/;
-  const int64_t backward = 2 * H /*x*/ + 2 * H /*dy*/ + 4 * I /*g|u*/ + 2 * I /*h*/ +
-                           4 * I /*dg|du*/ + 2 * I /*w*h*/ + 2 * H /*dx*/;
-  return std::max(forward, backward);
+  // What the ring holds per row, as built: the pulled x row and its h row (bf16). g|u, the
+  // backward's rows and the combine slots live outside it. (Until session 7 this charged every
+  // buffer a row touches, 3.7x kimi's and 5.3x mixtral's real bytes, and the ring came out at 3
+  // and 1 minibatches where the budget holds 13 and 6.)
+  return 2 * desc.hidden + 2 * desc.intermediate;
 }
 
 int64_t symmetric_bytes(const MoeDesc& desc) {

@@ -19,10 +19,10 @@ TEST(Planner, KimiK2OnTwoH200s) {
   // gate|up: 2I = 4096 -> 16 tiles of 256; down: H = 7168 -> 28. Two waves over 132 SMs need
   // 264 tiles -> ceil(264/16) = 17 row tiles of 128 = 2176 rows.
   EXPECT_EQ(c.minibatch_rows, 2176);
-  // Ring row: max(fwd 4H+6I, bwd 6H+12I) = 6*7168 + 12*2048 = 67584 bytes. 512 MiB / 67584 =
-  // 7943 rows -> 3 minibatches = 6528.
-  EXPECT_EQ(c.ring_row_bytes, 67584);
-  EXPECT_EQ(c.ring_rows, 6528);
+  // Ring row: x and h, 2H + 2I = 2*7168 + 2*2048 = 18432 bytes. 512 MiB / 18432 = 29127 rows
+  // -> 13 minibatches = 28288.
+  EXPECT_EQ(c.ring_row_bytes, 18432);
+  EXPECT_EQ(c.ring_rows, 28288);
   EXPECT_EQ(c.expected_rows, 8192 * 8);
   EXPECT_FALSE(c.keeps_forward_context);
   // 6 * (T*k*I + T*Is) * H = 6 * 7168 * 2048 * (65536 + 8192).

@@ -69,7 +69,7 @@ struct MoeConfig {
   int compute_sms = 0;
   int64_t minibatch_rows = 0;      // rows per minibatch (the overlap granularity)
   int64_t ring_rows = 0;           // rows the ring token buffer holds (a multiple of the minibatch)
-  int64_t ring_row_bytes = 0;      // bytes the ring keeps per row (the larger of fwd and bwd)
+  int64_t ring_row_bytes = 0;      // bytes the ring keeps per row (its x and h rows)
   int64_t expected_rows = 0;       // rows per rank under balanced routing (T*k)
   int64_t schedule_capacity_rows = 0;
   bool keeps_forward_context = false;  // all expected rows fit the ring (as built the training forward
