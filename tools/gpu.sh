@@ -125,17 +125,26 @@ if has mk_timing; then
 fi
 
 if has ncu; then
-  # Where the cycles of one expert kernel go: stall reasons and per-SASS-line stall samples of its
-  # first launch (MOK_NCU_KERNEL: a regex of the kernel name; MOK_TIMING_ARGS: the shape).
-  timeout --kill-after=10 "$(left 240)" ncu --kernel-name-base demangled -k "regex:${MOK_NCU_KERNEL:-SwiGluEpilogue}" -c 1 \
-    --section SpeedOfLight --section WarpStateStats --section SourceCounters --section SchedulerStats \
-    -o "$LOGS/ncu" "$BUILD/cuda/expert_kernels_timing" ${MOK_TIMING_ARGS:-2880 2880 16 4096} > "$LOGS/ncu_run.log" 2>&1 || status=1
-  ncu -i "$LOGS/ncu.ncu-rep" --page details > "$LOGS/ncu_details.txt" 2>&1
-  ncu -i "$LOGS/ncu.ncu-rep" --page raw --csv > "$LOGS/ncu_raw.csv" 2>&1
-  ncu -i "$LOGS/ncu.ncu-rep" --page source --csv --print-source sass > "$LOGS/ncu_source.csv" 2>&1
-  python3 tools/ncu_hot.py "$LOGS/ncu_source.csv" > "$LOGS/ncu_hot.txt" 2>&1
-  log "ncu:"; grep -E "Duration|Throughput|Cycles Per Issued|Stall" "$LOGS/ncu_details.txt" | head -20 | tee -a "$LOGS/summary.txt"
-  head -60 "$LOGS/ncu_hot.txt" | tee -a "$LOGS/summary.txt"
+  # Where the cycles of a kernel go: stall reasons, memory traffic and per-SASS-line stall samples
+  # of its first launch, for each regex of MOK_NCU_KERNEL (';'-separated; one report each) in the
+  # program MOK_NCU_BIN (default the expert kernels' timing, shape MOK_TIMING_ARGS; e.g.
+  # MOK_NCU_BIN=megakernel_timing MOK_TIMING_ARGS="7168 2048 192 8 8192 1 0 0").
+  IFS=';' read -ra ncu_kernels <<< "${MOK_NCU_KERNEL:-SwiGluEpilogue}"
+  for i in "${!ncu_kernels[@]}"; do
+    rep="$LOGS/ncu$i"
+    timeout --kill-after=10 "$(left 240)" ncu --kernel-name-base demangled -k "regex:${ncu_kernels[$i]}" -c 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SourceCounters \
+      --section SchedulerStats -o "$rep" "$BUILD/cuda/${MOK_NCU_BIN:-expert_kernels_timing}" \
+      ${MOK_TIMING_ARGS:-2880 2880 16 4096} > "${rep}_run.log" 2>&1 || status=1
+    ncu -i "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page raw --csv > "${rep}_raw.csv" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "${rep}_source.csv" 2>&1
+    python3 tools/ncu_hot.py "${rep}_source.csv" > "${rep}_hot.txt" 2>&1
+    log "ncu ${ncu_kernels[$i]}:"
+    grep -E "Duration|Throughput|Hit Rate|Cycles Per Issued|Stall" "${rep}_details.txt" | head -24 | tee -a "$LOGS/summary.txt"
+    head -40 "${rep}_hot.txt" | tee -a "$LOGS/summary.txt"
+    publish
+  done
 fi
 
 if has sanitize; then
