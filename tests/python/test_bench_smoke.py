@@ -173,3 +173,20 @@ def test_case_tables_are_well_formed() -> None:
         select_cases("baselines_2gpu:nonsense=1")
     for name, p in PRESETS.items():
         assert p.name == name and p.E > 0 and p.topk <= p.E
+
+
+def test_profile_writes_one_kernel_table_per_timed_pass(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    out = tmp_path / "profiled.json"
+    profile = tmp_path / "profile"
+    _run([sys.executable, "-m", "bench.run", "--cases", "smoke:ranks=1,tokens=32,routing=balanced", "--smoke",
+          "--impls", "torch_a2a", "--passes", "forward,backward", "--profile", str(profile), "--out", str(out)], env)
+    rows = [r for r in json.loads(out.read_text())["cases"] if r["status"] == "ok"]
+    tables = sorted(profile.glob("profile_*_torch_a2a_*_rank0.txt"))
+    # One table per timed (case, impl, pass), each naming its pass and the operators that ran.
+    assert rows and len(tables) == len(rows)
+    for table in tables:
+        text = table.read_text()
+        pass_name = "backward" if "_backward_" in table.name else "forward"
+        assert f"5 runs of the {pass_name} pass" in text
+        assert "aten::" in text
