@@ -255,8 +255,11 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     if (fused_backward >= 0) o.fused_backward = fused_backward != 0;
     auto h = std::make_unique<ForwardHandle>();
     cuda_check(cudaGetDevice(&h->device), "cudaGetDevice");
-    mok::DeviceFacts facts = mok::DeviceFacts::h200();
-    cuda_check(cudaDeviceGetAttribute(&facts.sm_count, cudaDevAttrMultiProcessorCount, h->device), "SM count");
+    cudaDeviceProp props{};
+    cuda_check(cudaGetDeviceProperties(&props, h->device), "cudaGetDeviceProperties");
+    // The same facts as the Python package's plan (planner.h: facts_for_gpu).
+    const mok::DeviceFacts facts =
+        mok::facts_for_gpu(props.name, props.multiProcessorCount, static_cast<int64_t>(props.totalGlobalMem));
     h->config = mok::plan(d, facts, o);
     const mok::MoeConfig& c = h->config;
     mok::cuda::MoeForwardArgs& a = h->args;

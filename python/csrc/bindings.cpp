@@ -255,6 +255,9 @@ PYBIND11_MODULE(_C, m) {
            py::kw_only(), py::arg("name"), py::arg("sm_count"), py::arg("memory_bytes"),
            py::arg("bf16_tflops") = 0.0, py::arg("hbm_gbps") = 0.0, py::arg("nvlink_gbps") = 0.0)
       .def_static("find", &find_device, py::arg("name"), "Known devices: h200, h100, cpu")
+      .def_static("for_gpu", &facts_for_gpu, py::arg("name"), py::arg("sm_count"), py::arg("memory_bytes"),
+                  "A GPU as its driver names it: an H200 or H100 gets the rates known for it with its own SMs; "
+                  "any other GPU its SMs and memory and no rates")
       .def_readonly("name", &DeviceFacts::name)
       .def_readonly("sm_count", &DeviceFacts::sm_count)
       .def_readonly("memory_bytes", &DeviceFacts::memory_bytes)

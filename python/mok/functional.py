@@ -195,17 +195,9 @@ def _device_facts(device: torch.device) -> Any:
     if device.type == "cpu":
         return _C.DeviceFacts.find("cpu")
     if device.type == "cuda":
+        # The same facts as the C API's plan (planner.h: facts_for_gpu).
         props = torch.cuda.get_device_properties(device)
-        for known in ("h200", "h100"):
-            if known in props.name.lower():
-                facts = _C.DeviceFacts.find(known)
-                if facts.sm_count == props.multi_processor_count:
-                    return facts
-                # The known rates, with the SMs this GPU has (the known facts are an SXM part's).
-                return _C.DeviceFacts(name=facts.name, sm_count=props.multi_processor_count,
-                                      memory_bytes=facts.memory_bytes, bf16_tflops=facts.bf16_tflops,
-                                      hbm_gbps=facts.hbm_gbps, nvlink_gbps=facts.nvlink_gbps)
-        return _C.DeviceFacts(name=props.name, sm_count=props.multi_processor_count, memory_bytes=props.total_memory)
+        return _C.DeviceFacts.for_gpu(props.name, props.multi_processor_count, props.total_memory)
     raise ValueError(f"mok: device {device} is not supported (cpu or cuda)")
 
 

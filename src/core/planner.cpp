@@ -1,6 +1,7 @@
 #include "mok/core/planner.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -51,6 +52,24 @@ DeviceFacts find_device(const std::string& name) {
   if (name == "h100") return DeviceFacts::h100();
   if (name == "cpu") return DeviceFacts::cpu();
   throw InvalidArgument("unknown device '" + name + "'; known devices: h200, h100, cpu");
+}
+
+DeviceFacts facts_for_gpu(const std::string& device_name, int sm_count, int64_t memory_bytes) {
+  MOK_REQUIRE(sm_count > 0, "a GPU has at least one SM, got sm_count=", sm_count, " for '", device_name, "'");
+  std::string lower = device_name;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const char* known : {"h200", "h100"}) {
+    if (lower.find(known) != std::string::npos) {
+      DeviceFacts facts = find_device(known);
+      facts.sm_count = sm_count;
+      return facts;
+    }
+  }
+  DeviceFacts facts;
+  facts.name = device_name;
+  facts.sm_count = sm_count;
+  facts.memory_bytes = memory_bytes;
+  return facts;
 }
 
 std::string format_bytes(double bytes) {

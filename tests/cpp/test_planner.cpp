@@ -209,5 +209,27 @@ TEST(Planner, FormatsBytes) {
   EXPECT_EQ(format_bytes(3.0 * (1 << 30)), "3.00 GiB");
 }
 
+TEST(Planner, FactsForAGpuByItsDriverName) {
+  // A known part gets its measured rates with the SMs it has (a PCIe or NVL part has fewer).
+  const DeviceFacts h200 = facts_for_gpu("NVIDIA H200", 132, int64_t{150} << 30);
+  EXPECT_EQ(h200.name, "h200");
+  EXPECT_EQ(h200.sm_count, 132);
+  EXPECT_DOUBLE_EQ(h200.bf16_tflops, DeviceFacts::h200().bf16_tflops);
+  const DeviceFacts h100 = facts_for_gpu("NVIDIA H100 NVL", 114, int64_t{94} << 30);
+  EXPECT_EQ(h100.name, "h100");
+  EXPECT_EQ(h100.sm_count, 114);
+  EXPECT_DOUBLE_EQ(h100.hbm_gbps, DeviceFacts::h100().hbm_gbps);
+  // Any other GPU: its own SMs and memory, no rates; the plan still comes out (by shape alone).
+  const DeviceFacts other = facts_for_gpu("NVIDIA L40S", 142, int64_t{48} << 30);
+  EXPECT_EQ(other.name, "NVIDIA L40S");
+  EXPECT_EQ(other.sm_count, 142);
+  EXPECT_EQ(other.memory_bytes, int64_t{48} << 30);
+  EXPECT_EQ(other.bf16_tflops, 0.0);
+  const MoeConfig c = plan(find_preset("kimi-k2").desc(2, 8192), other, {});
+  EXPECT_EQ(c.compute_sms, 142);
+  EXPECT_FALSE(c.fused_backward);
+  EXPECT_THROW(facts_for_gpu("NVIDIA H200", 0, 1), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace mok
