@@ -176,16 +176,17 @@ struct MegaTask {
 };
 
 // The task order of a two-GEMM pass (forward: gate/up then down; backward: dgrad of down then of
-// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second.
+// gate/up). Params has experts, mb_rows, ring_rows, n_first, n_second, k_first, k_second. Host
+// and device: cuda/tests/test_task_order.cu checks the order on the CPU.
 template <class Params>
 struct MegaTasks {
   const Params& p;
   const GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>& s;
 
-  __device__ int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
-  __device__ int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
-  __device__ int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
-  __device__ int pass_total() const {
+  CUTE_HOST_DEVICE int row_blocks() const { return s.status == 0 ? s.offsets[p.experts] / GemmConfig::kBlockM : 0; }
+  CUTE_HOST_DEVICE int mb_blocks() const { return p.mb_rows / GemmConfig::kBlockM; }
+  CUTE_HOST_DEVICE int blocks_of(int b) const { return min(mb_blocks(), row_blocks() - b * mb_blocks()); }
+  CUTE_HOST_DEVICE int pass_total() const {
     const int rb = row_blocks(), mb = mb_blocks();
     if (rb == 0) return 0;
     const int full = (rb - 1) / mb;  // minibatches before the last
@@ -194,15 +195,15 @@ struct MegaTasks {
   // The weight gradient tiles come after every task of the two GEMMs: expert by expert, W_gate's,
   // W_up's, then W_down's tiles (column fastest), each over all of the expert's rows in order
   // (as ExpertTileScheduler). A malformed schedule has none either.
-  __device__ int wgrad_per_expert() const { return 2 * p.wg_m * p.wg_n + p.wd_m * p.wd_n; }
-  __device__ int total() const {
+  CUTE_HOST_DEVICE int wgrad_per_expert() const { return 2 * p.wg_m * p.wg_n + p.wd_m * p.wd_n; }
+  CUTE_HOST_DEVICE int total() const {
     if constexpr (Params::kWeightGradients) {
       return s.status == 0 ? pass_total() + p.experts * wgrad_per_expert() : 0;
     } else {
       return pass_total();
     }
   }
-  __device__ MegaTask wgrad_at(int linear) const {
+  CUTE_HOST_DEVICE MegaTask wgrad_at(int linear) const {
     const int per_expert = wgrad_per_expert(), gate_up = p.wg_m * p.wg_n;
     MegaTask task;
     task.second = false;
@@ -223,7 +224,7 @@ struct MegaTasks {
     return task;
   }
 
-  __device__ MegaTask at(int linear) const {
+  CUTE_HOST_DEVICE MegaTask at(int linear) const {
     if constexpr (Params::kWeightGradients) {
       const int first = pass_total();
       if (linear >= first) return wgrad_at(linear - first);

@@ -1,0 +1,108 @@
+// The megakernel's task order (MegaTasks, megakernel_forward.cuh), checked on the CPU: no GPU
+// needed, so it runs with every ctest. Every tile of both GEMMs comes exactly once per minibatch,
+// the first GEMM's tiles before the second's, each naming the expert whose segment holds its row
+// block and the ring slot of its minibatch; and a task's dependencies (the lowest unfinished task
+// can always run) follow from that order.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "mok/cuda/detail/megakernel_forward.cuh"
+
+namespace mok::cuda::detail {
+namespace {
+
+struct Layout {
+  std::vector<int32_t> rows;  // per expert, multiples of 128
+  int mb_rows, ring_rows, n_first, n_second;
+};
+
+void check_order(const Layout& l) {
+  auto p = std::make_unique<MegaForwardParams>();
+  auto s = std::make_unique<GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>>();
+  const int experts = int(l.rows.size());
+  s->offsets[0] = 0;
+  for (int e = 0; e < experts; ++e) s->offsets[e + 1] = s->offsets[e] + l.rows[e];
+  s->status = 0;
+  p->experts = experts;
+  p->row_capacity = s->offsets[experts];
+  p->mb_rows = l.mb_rows;
+  p->ring_rows = l.ring_rows;
+  p->n_first = l.n_first;
+  p->n_second = l.n_second;
+  p->k_first = 7;
+  p->k_second = 5;
+  const MegaTasks<MegaForwardParams> tasks{*p, *s};
+  const int row_blocks = s->offsets[experts] / 128, mb = l.mb_rows / 128, slots = l.ring_rows / l.mb_rows;
+  const int minibatches = (row_blocks + mb - 1) / mb;
+  ASSERT_EQ(tasks.total(), row_blocks * (l.n_first + l.n_second));
+
+  std::set<std::tuple<int, int, int>> seen;  // (second, row block, n block)
+  int linear = 0;
+  for (int b = 0; b < minibatches; ++b) {
+    const int blocks = std::min(mb, row_blocks - b * mb);
+    for (int second = 0; second < 2; ++second) {
+      const int n_blocks = second ? l.n_second : l.n_first;
+      for (int i = 0; i < blocks * n_blocks; ++i, ++linear) {
+        const MegaTask t = tasks.at(linear);
+        ASSERT_EQ(t.minibatch, b) << linear;
+        ASSERT_EQ(int(t.second), second) << "minibatch " << b << ": the first GEMM's tiles come first";
+        ASSERT_EQ(t.wgrad, 0);
+        ASSERT_GE(t.row_block, b * mb);
+        ASSERT_LT(t.row_block, b * mb + blocks);
+        ASSERT_GE(t.tile.n_block, 0);
+        ASSERT_LT(t.tile.n_block, n_blocks);
+        const int row = t.row_block * 128;
+        ASSERT_LE(s->offsets[t.tile.expert], row) << "the expert's segment holds the row block";
+        ASSERT_LT(row, s->offsets[t.tile.expert + 1]);
+        ASSERT_EQ(t.tile.row_end, s->offsets[t.tile.expert + 1]);
+        ASSERT_EQ(t.tile.m_block, (b % slots) * mb + (t.row_block - b * mb)) << "the minibatch's ring slot";
+        ASSERT_EQ(t.tile.save_m_block, t.row_block);
+        ASSERT_EQ(t.tile.k_begin, 0);
+        ASSERT_EQ(t.tile.k_end, second ? 5 : 7);
+        ASSERT_TRUE(seen.insert({second, t.row_block, t.tile.n_block}).second) << "task " << linear << " repeats a tile";
+      }
+    }
+  }
+  EXPECT_EQ(int(seen.size()), row_blocks * (l.n_first + l.n_second));
+}
+
+TEST(MegakernelTaskOrder, EveryTileOncePerMinibatchFirstGemmFirst) {
+  // kimi-like (3 row blocks per expert, 17-block minibatches), one expert with every row, empty
+  // experts between, a ring of one minibatch, minibatches that end inside an expert.
+  check_order({std::vector<int32_t>(192, 384), 2176, 6528, 16, 28});
+  check_order({{0, 0, 4096, 0}, 384, 384, 3, 2});
+  check_order({{128, 0, 0, 256, 0, 1280, 128}, 256, 256, 5, 1});
+  check_order({{128}, 128, 128, 1, 1});
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<int32_t> rows(1 + rng() % 40);
+    for (int32_t& r : rows) r = 128 * int32_t(rng() % 4 == 0 ? 0 : rng() % 12);
+    if (std::all_of(rows.begin(), rows.end(), [](int32_t r) { return r == 0; })) rows[0] = 128;
+    const int mb = 128 * int(1 + rng() % 9);
+    check_order({rows, mb, mb * int(1 + rng() % 3), int(1 + rng() % 30), int(1 + rng() % 30)});
+  }
+}
+
+TEST(MegakernelTaskOrder, MalformedOffsetsHaveNoTasks) {
+  auto p = std::make_unique<MegaForwardParams>();
+  auto s = std::make_unique<GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>>();
+  p->experts = 2;
+  p->mb_rows = 128;
+  p->ring_rows = 128;
+  p->n_first = p->n_second = 4;
+  s->offsets[0] = 0;
+  s->offsets[1] = 128;
+  s->offsets[2] = 256;
+  s->status = 2;  // as GroupedTileScheduler::init reports a bad schedule
+  EXPECT_EQ((MegaTasks<MegaForwardParams>{*p, *s}.total()), 0);
+}
+
+}  // namespace
+}  // namespace mok::cuda::detail
