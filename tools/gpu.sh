@@ -150,7 +150,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     if timeout --kill-after=10 "$(left 180)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
-         --gtest_filter='*Megakernel*R1_balanced*:*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
+         --gtest_filter='*Megakernel*R1_balanced*:*MegakernelBackward*R1_zipf*:*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
          > "$LOGS/sanitize_$tool.log" 2>&1 &&
        timeout --kill-after=10 "$(left 120)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
          --tokens 130 --runs 1 --fused off >> "$LOGS/sanitize_$tool.log" 2>&1 &&
