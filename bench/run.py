@@ -416,14 +416,16 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
             )
             if timed.status == OK:
                 _fill_timing(row, timed.value, setup.costs[pass_name], ceilings)
-                if profile_dir is not None:
-                    agreed_step(rt, f"{spec.name} {pass_name} profile on {case.label}",
-                                lambda runner=runner, pass_name=pass_name: _profile_pass(
-                                    rt, runner, pass_name, profile_dir, f"{case.label}_{spec.name}_{pass_name}"))
             else:
                 row["status"] = STATUS_NAMES[timed.status]
                 row["skip_reason" if timed.status == SKIPPED else "error"] = timed.message
             row["elapsed_s"] = time.perf_counter() - pass_start
+            if timed.status == OK and profile_dir is not None:
+                profiled = agreed_step(rt, f"{spec.name} {pass_name} profile on {case.label}",
+                                       lambda runner=runner, pass_name=pass_name: _profile_pass(
+                                           rt, runner, pass_name, profile_dir, f"{case.label}_{spec.name}_{pass_name}"))
+                if profiled.status != OK:
+                    log.warning("%s %s on %s: no profile (%s)", spec.name, pass_name, case.label, profiled.message)
             rows.append(row)
             progress.update(1)
             _log_row(case, row)

@@ -336,8 +336,10 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
   const cuda::RoutingShape shape = routing_shape(d);
   const SymmetricLayout layout = SymmetricLayout::make(T, H, k, d.ranks);
   MoeDesc planned = d;
-  DeviceFacts facts = DeviceFacts::h200();
-  facts.sm_count = ctas;
+  cudaDeviceProp props{};
+  check(cudaGetDeviceProperties(&props, device), "cudaGetDeviceProperties");
+  // This GPU's facts (as the C API's and the Python package's plans), with each rank's share of it.
+  const DeviceFacts facts = facts_for_gpu(props.name, ctas, static_cast<int64_t>(props.totalGlobalMem));
   const MoeConfig config = plan(planned, facts);
   const int64_t minibatch = config.minibatch_rows, cap = cuda::routed_row_capacity(shape);
   const int64_t ring = (cap + minibatch - 1) / minibatch * minibatch;  // every row kept, for the backward

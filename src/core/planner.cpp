@@ -56,12 +56,18 @@ DeviceFacts find_device(const std::string& name) {
 
 DeviceFacts facts_for_gpu(const std::string& device_name, int sm_count, int64_t memory_bytes) {
   MOK_REQUIRE(sm_count > 0, "a GPU has at least one SM, got sm_count=", sm_count, " for '", device_name, "'");
-  std::string lower = device_name;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-  for (const char* known : {"h200", "h100"}) {
-    if (lower.find(known) != std::string::npos) {
+  // Whole words of the name: "NVIDIA H200 NVL" is an H200, "NVIDIA GH200 480GB" an H200-class
+  // GPU (a Grace Hopper superchip's), "NVIDIA H100 80GB HBM3" an H100; "H800" or "H20" match
+  // neither and get no rates.
+  std::istringstream words(device_name);
+  std::string word;
+  while (words >> word) {
+    std::transform(word.begin(), word.end(), word.begin(), [](unsigned char c) { return std::tolower(c); });
+    const char* known = word == "h200" || word == "gh200" ? "h200" : word == "h100" ? "h100" : nullptr;
+    if (known != nullptr) {
       DeviceFacts facts = find_device(known);
       facts.sm_count = sm_count;
+      if (memory_bytes > 0) facts.memory_bytes = memory_bytes;
       return facts;
     }
   }

@@ -210,15 +210,21 @@ TEST(Planner, FormatsBytes) {
 }
 
 TEST(Planner, FactsForAGpuByItsDriverName) {
-  // A known part gets its measured rates with the SMs it has (a PCIe or NVL part has fewer).
-  const DeviceFacts h200 = facts_for_gpu("NVIDIA H200", 132, int64_t{150} << 30);
+  // A known part gets its measured rates with the SMs and memory it has (the H100 PCIe has 114).
+  const DeviceFacts h200 = facts_for_gpu("NVIDIA H200", 132, int64_t{140} << 30);
   EXPECT_EQ(h200.name, "h200");
   EXPECT_EQ(h200.sm_count, 132);
+  EXPECT_EQ(h200.memory_bytes, int64_t{140} << 30);
   EXPECT_DOUBLE_EQ(h200.bf16_tflops, DeviceFacts::h200().bf16_tflops);
-  const DeviceFacts h100 = facts_for_gpu("NVIDIA H100 NVL", 114, int64_t{94} << 30);
+  EXPECT_EQ(facts_for_gpu("NVIDIA H200 NVL", 132, 1).name, "h200");
+  EXPECT_EQ(facts_for_gpu("NVIDIA GH200 480GB", 132, int64_t{96} << 30).name, "h200");
+  EXPECT_EQ(facts_for_gpu("NVIDIA H100 80GB HBM3", 132, int64_t{80} << 30).name, "h100");
+  const DeviceFacts h100 = facts_for_gpu("NVIDIA H100 PCIe", 114, int64_t{80} << 30);
   EXPECT_EQ(h100.name, "h100");
   EXPECT_EQ(h100.sm_count, 114);
   EXPECT_DOUBLE_EQ(h100.hbm_gbps, DeviceFacts::h100().hbm_gbps);
+  // Only whole words: an H800 is neither.
+  EXPECT_EQ(facts_for_gpu("NVIDIA H800", 132, int64_t{80} << 30).name, "NVIDIA H800");
   // Any other GPU: its own SMs and memory, no rates; the plan still comes out (by shape alone).
   const DeviceFacts other = facts_for_gpu("NVIDIA L40S", 142, int64_t{48} << 30);
   EXPECT_EQ(other.name, "NVIDIA L40S");

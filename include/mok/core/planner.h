@@ -27,10 +27,11 @@ struct DeviceFacts {
   static DeviceFacts cpu();   // nominal, for the CPU backend's plan
 };
 DeviceFacts find_device(const std::string& name);  // "h200", "h100", "cpu"; throws InvalidArgument
-// Facts for a GPU as its driver names it ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...): an H200 or
-// H100 gets the rates known for it with the SMs this part has (the known facts are an SXM part's);
-// any other GPU its own SMs and memory and no rates (no floors: the planner plans by shape alone).
-// The C API and the Python package both plan with it.
+// Facts for a GPU as its driver names it ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...): an H200
+// (or GH200) or H100 gets the rates known for it with the SMs and memory this part has (the known
+// facts are an SXM part's); any other GPU its own SMs and memory and no rates: the planner then
+// plans by shape alone (no floors, and the backward as stage kernels unless a MoeConfig says
+// otherwise). The C API, the Python package and `mok run` plan with it.
 DeviceFacts facts_for_gpu(const std::string& device_name, int sm_count, int64_t memory_bytes);
 
 // The tiles the sm_90a expert kernels are planned around.
