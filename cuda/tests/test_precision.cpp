@@ -12,6 +12,7 @@
 #include "fp8_gemm.h"
 #include "gpu_test_util.h"
 #include "mok/core/bf16.h"
+#include "mok/core/fp8.h"
 #include "mok/core/problem.h"
 
 namespace mok {
@@ -19,14 +20,6 @@ namespace {
 
 using test::DeviceBuffer;
 using test::from_bits;
-
-// The value of an e4m3 code (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f and 0xff
-// are NaN and never drawn).
-float e4m3_value(uint8_t code) {
-  const int exponent = (code >> 3) & 0xf, mantissa = code & 7;
-  const float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-  return (code & 0x80) ? -magnitude : magnitude;
-}
 
 // A random code of magnitude in [1/4, 4): exponents 5..8, any mantissa and sign.
 uint8_t random_e4m3(Rng& rng) {
@@ -55,7 +48,7 @@ TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
     for (int r = offsets[e]; r < offsets[e + 1]; ++r)
       for (int j = 0; j < n; ++j) {
         double s = 0.0;
-        for (int c = 0; c < k; ++c) s += double(e4m3_value(a[size_t(r) * k + c])) * e4m3_value(b[(size_t(e) * n + j) * k + c]);
+        for (int c = 0; c < k; ++c) s += double(fp8::decode(a[size_t(r) * k + c])) * fp8::decode(b[(size_t(e) * n + j) * k + c]);
         ref[size_t(r) * n + j] = s;
       }
 

@@ -1,0 +1,114 @@
+#include "mok/core/fp8.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "mok/core/error.h"
+
+namespace mok::fp8 {
+
+uint8_t encode(float v) {
+  if (std::isnan(v)) return kNaN;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(v));
+  if (a >= kMax) return sign | 0x7e;  // saturate (448 itself is 0x7e)
+  // Subnormals and zero: multiples of 2^-9 below 2^-6 (code = multiple; 8 is the smallest normal).
+  if (a < std::ldexp(1.0, -6)) {
+    const double q = std::nearbyint(std::ldexp(a, 9));  // ties to even (the default rounding mode)
+    return sign | static_cast<uint8_t>(q);
+  }
+  int exp2 = 0;
+  (void)std::frexp(a, &exp2);  // a = f * 2^exp2, f in [0.5, 1)
+  int e = exp2 - 1;            // a in [2^e, 2^(e+1))
+  double q = std::nearbyint(std::ldexp(a, 3 - e));  // 8 + mantissa, in [8, 16]
+  if (q == 16.0) {
+    q = 8.0;
+    ++e;
+  }
+  const int field = e + 7;
+  if (field > 15 || (field == 15 && q - 8.0 > 6.0)) return sign | 0x7e;  // rounded past 448
+  return sign | static_cast<uint8_t>(field << 3 | static_cast<int>(q - 8.0));
+}
+
+float decode(uint8_t code) {
+  const int field = (code >> 3) & 0xf, mantissa = code & 0x7;
+  const float sign = (code & 0x80) ? -1.0f : 1.0f;
+  if (field == 15 && mantissa == 7) return std::nanf("");
+  if (field == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+  return sign * std::ldexp(static_cast<float>(8 + mantissa), field - 10);
+}
+
+float block_scale(float amax) {
+  MOK_REQUIRE(std::isfinite(amax) && amax >= 0.0f, "block_scale needs a finite amax >= 0, got ", amax);
+  if (amax == 0.0f) return 1.0f;
+  // Start near log2(amax / 448) and step to the smallest e with amax <= 448 * 2^e.
+  int e = std::ilogb(amax) - 8;
+  while (static_cast<double>(amax) > std::ldexp(static_cast<double>(kMax), e)) ++e;
+  while (static_cast<double>(amax) <= std::ldexp(static_cast<double>(kMax), e - 1)) --e;
+  return std::ldexp(1.0f, std::clamp(e, -126, 127));
+}
+
+Quantized quantize(const float* x, int64_t rows, int64_t cols, int64_t block_rows, int64_t block_cols) {
+  MOK_REQUIRE(rows >= 0 && cols >= 0, "quantize: rows and cols must be >= 0, got ", rows, " x ", cols);
+  MOK_REQUIRE(block_rows > 0 && block_cols > 0, "quantize: blocks must be at least 1 x 1, got ", block_rows, " x ",
+              block_cols);
+  MOK_REQUIRE(x != nullptr || rows * cols == 0, "quantize: x is null");
+  Quantized q;
+  q.rows = rows;
+  q.cols = cols;
+  q.block_rows = block_rows;
+  q.block_cols = block_cols;
+  q.codes.resize(static_cast<size_t>(rows * cols));
+  q.scales.resize(static_cast<size_t>(q.row_blocks() * q.col_blocks()));
+  for (int64_t rb = 0; rb < q.row_blocks(); ++rb) {
+    const int64_t r0 = rb * block_rows, r1 = std::min(rows, r0 + block_rows);
+    for (int64_t cb = 0; cb < q.col_blocks(); ++cb) {
+      const int64_t c0 = cb * block_cols, c1 = std::min(cols, c0 + block_cols);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const float v = x[r * cols + c];
+          MOK_REQUIRE(std::isfinite(v), "quantize: x[", r, "][", c, "] is not finite (", v, ")");
+          amax = std::max(amax, std::fabs(v));
+        }
+      }
+      const float s = block_scale(amax);
+      q.scales[static_cast<size_t>(rb * q.col_blocks() + cb)] = s;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          // x / 2^e is exact (in double, then to float: the quotient is within e4m3's range).
+          q.codes[static_cast<size_t>(r * cols + c)] =
+              encode(static_cast<float>(static_cast<double>(x[r * cols + c]) / static_cast<double>(s)));
+        }
+      }
+    }
+  }
+  return q;
+}
+
+void gemm_nt(const Quantized& a, const Quantized& b, float* c) {
+  MOK_REQUIRE(a.cols == b.cols, "gemm_nt: a has ", a.cols, " columns and b ", b.cols);
+  MOK_REQUIRE(a.block_cols == kBlock && b.block_cols == kBlock, "gemm_nt: the k blocks must be ", kBlock,
+              " wide, got ", a.block_cols, " and ", b.block_cols);
+  MOK_REQUIRE(c != nullptr || a.rows * b.rows == 0, "gemm_nt: c is null");
+  const int64_t K = a.cols, k_blocks = a.col_blocks();
+  for (int64_t m = 0; m < a.rows; ++m) {
+    for (int64_t n = 0; n < b.rows; ++n) {
+      float acc = 0.0f;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        // The block's code products, summed exactly: each product of two e4m3 values has at most
+        // 8 significant bits between 2^-18 and 2^18, so 128 of them fit a double's 53 bits.
+        double block = 0.0;
+        for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k) {
+          block += static_cast<double>(decode(a.codes[m * K + k])) * decode(b.codes[n * K + k]);
+        }
+        const float partial = static_cast<float>(block);
+        const float scaled = partial * a.scale(m, kb * kBlock);
+        acc = acc + scaled * b.scale(n, kb * kBlock);
+      }
+      c[m * b.rows + n] = acc;
+    }
+  }
+}
+
+}  // namespace mok::fp8
