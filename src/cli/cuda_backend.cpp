@@ -393,6 +393,16 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
       cudaStreamDestroy(f.stream);
     }
   };
+  // What both passes' arguments take alike: the rank, every rank's buffer, its weights, and its
+  // FusedBuffers' schedule, ring and counters.
+  auto rank_args = [&](auto& args, int r, FusedRank& f, const RankBuffers& b) {
+    args.rank = r;
+    args.bases = bases.data();
+    args.w_gate = b.w_gate.get();
+    args.w_up = b.w_up.get();
+    args.w_down = b.w_down.get();
+    f.buffers->wire(args);
+  };
   try {
     cuda::preload_kernels();  // before any rank's barrier spins
     for (int64_t run = 0; run <= runs; ++run) {  // run 0: warm-up
@@ -401,12 +411,7 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         const RankBuffers& b = ranks[static_cast<size_t>(r)];
         check(cudaMemsetAsync(f.y.get(), 0xff, f.y.bytes(), f.stream), "poison fused y");
         cuda::MoeForwardArgs a;
-        a.rank = r;
-        a.bases = bases.data();
-        a.w_gate = b.w_gate.get();
-        a.w_up = b.w_up.get();
-        a.w_down = b.w_down.get();
-        f.buffers->wire(a);
+        rank_args(a, r, f, b);
         a.gu = f.gu.get();
         a.y_shared = d.has_shared() ? b.y_shared.get() : nullptr;
         a.y = f.y.get();
@@ -426,12 +431,7 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
                                          {f.d_up.get(), f.d_up.bytes()}, {f.d_down.get(), f.d_down.bytes()}})
           check(cudaMemsetAsync(ptr, 0xff, bytes, f.stream), "poison the fused gradients");
         cuda::MoeBackwardArgs g;
-        g.rank = r;
-        g.bases = bases.data();
-        g.w_gate = b.w_gate.get();
-        g.w_up = b.w_up.get();
-        g.w_down = b.w_down.get();
-        f.buffers->wire(g);  // the forward's schedule and rows (the ring holds every row), the scratch
+        rank_args(g, r, f, b);  // the forward's schedule and rows (the ring holds every row), the scratch
         g.gu = f.gu.get();
         g.dx_shared = d.has_shared() ? b.dx_shared.get() : nullptr;
         g.dx = f.dx.get();
