@@ -43,18 +43,6 @@ struct MegaBackwardParams : MegaPassParams {
   float* dw_slots[kMaxRanks];      // [T*k] on each rank
 };
 
-// Where the dx rows go: as CombineTarget, into dx_slots.
-struct DxTarget {
-  const MegaBackwardParams& p;
-  __device__ __nv_bfloat16* dest(int rank) const { return p.combine[rank]; }
-  __device__ const int32_t* src_rank() const { return p.src_rank; }
-  __device__ const int32_t* src_slot() const { return p.src_slot; }
-  __device__ int ranks() const { return p.ranks; }
-  __device__ int slots() const { return p.slots; }
-  __device__ int width() const { return p.hidden; }
-  __device__ bool skips_push() const { return MOK_SKIPS(p, kSkipPush); }
-};
-
 struct BackwardPass {
   using Params = MegaBackwardParams;
   using Mainloop = BackwardDgradMainloop;
@@ -99,7 +87,7 @@ struct BackwardPass {
   static __device__ void second_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords&, int thread,
                                          bfloat16_t* staging) {
     const int t = opaque(thread);
-    push_rows(DxTarget{p}, task.row_block, task.tile.n_block, acc, coords_of(t), t, staging);
+    push_rows(PushTarget{p}, task.row_block, task.tile.n_block, acc, coords_of(t), t, staging);
     if (task.tile.n_block != 0 || t >= GemmConfig::kBlockM) return;
     // d topk_w of the tile's rows: the partials of every first-GEMM column block, in block order
     // (as the stage kernels' reduce_row_partials), pushed into the row's (token, j) slot.

@@ -374,10 +374,11 @@ __device__ void dispatch_warps(const Params& p, int used, int cta, int ctas) {
 // values of a half are dead once written, which keeps the read-back within the register budget.
 // Each thread then stores 16-byte pieces of 4 rows (thread / 8 + 32 i) at columns 8 * (thread % 8)
 // of both tiles.
-// Where a tile's rows go (Target: a view of the kernel's parameters, read in place, so that no
-// register holds a copy): row r of the schedule to target.dest(src_rank[r]) + src_slot[r] * width.
-struct CombineTarget {
-  const MegaForwardParams& p;
+// Where a tile's rows go (a view of either pass's parameters, read in place, so that no register
+// holds a copy): row r of the schedule to combine[src_rank[r]] + src_slot[r] * hidden, the
+// forward's combine slots or the backward's dx slots (each pass wires its own into `combine`).
+struct PushTarget {
+  const MegaPassParams& p;
   __device__ __nv_bfloat16* dest(int rank) const { return p.combine[rank]; }
   __device__ const int32_t* src_rank() const { return p.src_rank; }
   __device__ const int32_t* src_slot() const { return p.src_slot; }
@@ -449,7 +450,7 @@ struct ForwardPass {
   template <class Acc, class Coords>
   static __device__ void second_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
                                          int thread, bfloat16_t* staging) {
-    push_rows(CombineTarget{p}, task.row_block, task.tile.n_block, acc, coords, thread, staging);
+    push_rows(PushTarget{p}, task.row_block, task.tile.n_block, acc, coords, thread, staging);
   }
 };
 
