@@ -47,21 +47,11 @@ struct BackwardPass {
   using Params = MegaBackwardParams;
   using Mainloop = BackwardDgradMainloop;
 
-  // The epilogues take the thread index through an opaque move and derive their accumulator
-  // coordinates from it (the kernel's own `coords` go unused): their shared-memory addresses are
-  // then computed per tile instead of hoisted out of the task loop, where they did not fit the
-  // consumers' 232 registers (ptxas spilled 196 bytes; 52 with this alone, 0 with the 32-bit
-  // staging addresses of SwiGluBackwardEpilogue).
-  static __device__ int opaque(int thread) {
-    int t;
-    asm volatile("mov.b32 %0, %1;" : "=r"(t) : "r"(thread));
-    return t;
-  }
-  static __device__ auto coords_of(int thread) {
-    ExpertTiledMma<Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
-    return mma.get_thread_slice(thread).partition_C(
-        make_identity_tensor(Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{}));
-  }
+  // (The epilogues take the thread index through an opaque move: opaque_thread, above the forward
+  // pass; the backward spilled 196 bytes without it and 52 with this alone, 0 with the 32-bit
+  // staging addresses of SwiGluBackwardEpilogue.)
+  static __device__ int opaque(int thread) { return opaque_thread(thread); }
+  static __device__ auto coords_of(int thread) { return epilogue_coords<Mainloop>(thread); }
 
   template <class Acc, class Coords>
   static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords&, int thread,

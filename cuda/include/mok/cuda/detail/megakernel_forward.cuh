@@ -238,30 +238,39 @@ struct MegaTasks {
     task.second = local >= rbs * p.n_first;
     if (task.second) local -= rbs * p.n_first;
     const int n_blocks = task.second ? p.n_second : p.n_first;
-    // Groups of 8 row blocks, row block fastest (as GroupedTileScheduler: weights reused from L2).
-    const int group = local / (8 * n_blocks);
-    const int group_rows = min(8, rbs - group * 8);
-    const int in_group = local - group * 8 * n_blocks;
-    const int rb_local = group * 8 + in_group % group_rows;
-    task.minibatch = b;
-    task.row_block = b * mb + rb_local;
-    // The expert holding the row block: the last one starting at or before it.
-    const int row = task.row_block * GemmConfig::kBlockM;
-    int lo = 0, hi = p.experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (s.offsets[mid] <= row) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
+    // Expert by expert inside the minibatch, the expert's row blocks fastest, then its column
+    // blocks: the CTAs running together share an expert's weight tiles in L2. (Groups of 8 row
+    // blocks of the minibatch, crossing experts, re-read weights from HBM: on kimi the megakernel
+    // moved 32 GB to its GEMMs' 21, session 7's ncu. A segment is at most a minibatch, about two
+    // waves of tiles, so it needs no groups of its own; they cost the producer a spill.) Every row
+    // block of the minibatch has n_blocks tasks, so task `local` lies in the segment of its row
+    // block local / n_blocks, and the segment's tasks start at its first row block's.
+    const int first_rb = b * mb;
+    int lo = 0, hi = p.experts - 1;  // the expert holding that row block: the last one starting at or before it
+    {
+      const int row = (first_rb + local / n_blocks) * GemmConfig::kBlockM;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (s.offsets[mid] <= row) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
       }
     }
+    const int expert = lo;
+    const int seg_begin = max(s.offsets[expert] / GemmConfig::kBlockM - first_rb, 0);  // in the minibatch
+    const int seg_end = min(s.offsets[expert + 1] / GemmConfig::kBlockM - first_rb, rbs);
+    const int in_seg = local - seg_begin * n_blocks, seg_rows = seg_end - seg_begin;
+    const int rb_local = seg_begin + in_seg % seg_rows;
+    task.minibatch = b;
+    task.row_block = first_rb + rb_local;
     const int slots = p.ring_rows / p.mb_rows;
-    task.tile.expert = lo;
+    task.tile.expert = expert;
     task.tile.m_block = (b % slots) * mb + rb_local;  // the ring's row block
     task.tile.save_m_block = task.row_block;
-    task.tile.n_block = in_group / group_rows;
-    task.tile.row_end = s.offsets[lo + 1];
+    task.tile.n_block = in_seg / seg_rows;
+    task.tile.row_end = s.offsets[expert + 1];
     task.tile.k_begin = 0;
     task.tile.k_end = task.second ? p.k_second : p.k_first;
     return task;
@@ -424,6 +433,23 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
   });
 }
 
+// The epilogues take the thread index through an opaque move and derive their accumulator
+// coordinates from it (the kernel's own `coords` go unused): their shared-memory addresses are
+// then computed per tile instead of hoisted out of the task loop, where they did not fit the
+// consumers' 232 registers (the backward spilled 196 bytes, session 6; the forward's push 4,
+// session 7, once its task order looked up the expert's segment).
+__device__ __forceinline__ int opaque_thread(int thread) {
+  int t;
+  asm volatile("mov.b32 %0, %1;" : "=r"(t) : "r"(thread));
+  return t;
+}
+template <class Mainloop>
+__device__ auto epilogue_coords(int thread) {
+  ExpertTiledMma<typename Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
+  return mma.get_thread_slice(thread).partition_C(
+      make_identity_tensor(Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{}));
+}
+
 // The forward pass: gate|up with the SwiGLU epilogue (h into the ring, its row block counted in
 // h_ready once stored), then down with the combine push. A pass (this, megakernel_backward.cuh's
 // BackwardPass) gives megakernel_kernel its Params, its Mainloop and the two epilogues.
@@ -448,9 +474,10 @@ struct ForwardPass {
     }
   }
   template <class Acc, class Coords>
-  static __device__ void second_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
+  static __device__ void second_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords&,
                                          int thread, bfloat16_t* staging) {
-    push_rows(PushTarget{p}, task.row_block, task.tile.n_block, acc, coords, thread, staging);
+    const int t = opaque_thread(thread);
+    push_rows(PushTarget{p}, task.row_block, task.tile.n_block, acc, epilogue_coords<Mainloop>(t), t, staging);
   }
 };
 
