@@ -591,8 +591,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
       } else {
         Pass::second_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
-        consumers_sync();  // every thread has read its A rows (mainloop) and issued its stores
-        if (consumer_thread == 0) add_release_gpu(&p.y_done[task.minibatch], 1);
+        // The tile frees its ring rows for the minibatch S later, where the ring reuses slots. A
+        // ring holding every row (the training forward: its context is its ring; the backward)
+        // has no waiter, and its tiles skip the barrier and the release (a gpu-scope release
+        // after stores to a peer may wait for the peer's acknowledgements).
+        if (p.ring_rows < p.row_capacity) {
+          consumers_sync();  // every thread has read its A rows (mainloop) and issued its stores
+          if (consumer_thread == 0) add_release_gpu(&p.y_done[task.minibatch], 1);
+        }
       }
     }
     drain_stores(consumer_thread);
