@@ -1,8 +1,8 @@
 // The megakernel's task order (MegaTasks, megakernel_forward.cuh), checked on the CPU: no GPU
 // needed, so it runs with every ctest. Every tile of both GEMMs comes exactly once per minibatch,
-// the first GEMM's tiles before the second's, each naming the expert whose segment holds its row
-// block and the ring slot of its minibatch; and a task's dependencies (the lowest unfinished task
-// can always run) follow from that order.
+// the first GEMM's tiles before the second's (so the lowest unfinished task can always run), each
+// naming the expert whose segment holds its row block and the ring slot of its minibatch; inside
+// a minibatch's GEMM the tiles go expert by expert, row blocks fastest.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,8 +49,18 @@ void check_order(const Layout& l) {
     const int blocks = std::min(mb, row_blocks - b * mb);
     for (int second = 0; second < 2; ++second) {
       const int n_blocks = second ? l.n_second : l.n_first;
+      int last_expert = -1;
       for (int i = 0; i < blocks * n_blocks; ++i, ++linear) {
         const MegaTask t = tasks.at(linear);
+        // Expert by expert (the CTAs running together share its weight tiles in L2), and inside
+        // an expert its row blocks fastest.
+        ASSERT_GE(t.tile.expert, last_expert) << "task " << linear << " goes back to an earlier expert";
+        if (t.tile.expert == last_expert && i > 0) {
+          const MegaTask before = tasks.at(linear - 1);
+          if (before.tile.n_block == t.tile.n_block) ASSERT_EQ(t.row_block, before.row_block + 1);
+          else ASSERT_EQ(t.tile.n_block, before.tile.n_block + 1);
+        }
+        last_expert = t.tile.expert;
         ASSERT_EQ(t.minibatch, b) << linear;
         ASSERT_EQ(int(t.second), second) << "minibatch " << b << ": the first GEMM's tiles come first";
         ASSERT_EQ(t.wgrad, 0);
