@@ -55,10 +55,21 @@ void check_order(const Layout& l) {
         // Expert by expert (the CTAs running together share its weight tiles in L2), and inside
         // an expert its row blocks fastest.
         ASSERT_GE(t.tile.expert, last_expert) << "task " << linear << " goes back to an earlier expert";
-        if (t.tile.expert == last_expert && i > 0) {
+        // The expert's row blocks in this minibatch: [first, end).
+        const int first = std::max(s->offsets[t.tile.expert] / 128, b * mb);
+        const int end = std::min(s->offsets[t.tile.expert + 1] / 128, b * mb + blocks);
+        if (t.tile.expert != last_expert) {
+          ASSERT_EQ(t.tile.n_block, 0) << "a new expert starts at its first column block";
+          ASSERT_EQ(t.row_block, first) << "and at its first row block";
+        } else {
           const MegaTask before = tasks.at(linear - 1);
-          if (before.tile.n_block == t.tile.n_block) ASSERT_EQ(t.row_block, before.row_block + 1);
-          else ASSERT_EQ(t.tile.n_block, before.tile.n_block + 1);
+          if (before.row_block + 1 < end) {
+            ASSERT_EQ(t.tile.n_block, before.tile.n_block);
+            ASSERT_EQ(t.row_block, before.row_block + 1);
+          } else {
+            ASSERT_EQ(t.tile.n_block, before.tile.n_block + 1);
+            ASSERT_EQ(t.row_block, first);
+          }
         }
         last_expert = t.tile.expert;
         ASSERT_EQ(t.minibatch, b) << linear;

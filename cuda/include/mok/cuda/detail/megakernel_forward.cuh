@@ -10,7 +10,8 @@
 // expert) and lives in ring slot b % S. Tasks wait on counters, never on CTAs:
 //   gate/up tile of b      waits x_ready[b]  == comm_ctas      (every comm CTA pulled its rows of b)
 //   down tile of row block waits h_ready[rb] == gate/up column tiles (the whole h row block exists)
-//   dispatch of b (b >= S) waits y_done[b-S] == down tiles of b-S (slot b % S is free again)
+//   dispatch of b (b >= S) waits y_done[b-S] == down tiles of b-S (slot b % S is free again;
+//                          counted only where the ring reuses slots, ring_rows < row_capacity)
 // A task's inputs come only from earlier tasks, and every CTA takes its tasks in increasing order,
 // so the lowest unfinished task can always run: no deadlock for any skew, ring or minibatch size.
 // Each output tile is computed by one CTA with the expert kernels' k order, so which CTA takes it
