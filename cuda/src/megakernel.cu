@@ -145,6 +145,10 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
   if (row_capacity < routed_row_capacity(s))
     why << "row_capacity " << row_capacity << " < routed_row_capacity " << routed_row_capacity(s) << "; ";
   if (row_capacity > (int64_t{1} << 30)) why << "row_capacity must be <= 2^30; ";
+  // The push epilogue packs a row's (rank, slot) into one register: rank << 24 | slot.
+  if (int64_t{s.tokens_per_rank} * s.topk >= (int64_t{1} << 24))
+    why << "tokens_per_rank * topk must be < 2^24 (the megakernel's combine slots), got "
+        << int64_t{s.tokens_per_rank} * s.topk << "; ";
   if (epoch == 0) why << "epoch must be > 0; ";
   if (!(timeout_s > 0.0)) why << "timeout_s must be > 0; ";
   return why.str();

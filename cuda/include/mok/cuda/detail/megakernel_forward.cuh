@@ -402,6 +402,16 @@ template <class Target, class Acc, class Coords>
 __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc, const Coords& coords, int thread,
                           bfloat16_t* staging) {
   const int piece = thread % 8;
+  // Where the thread's 4 rows go, loaded once per tile and before the first staging writes (ncu:
+  // the stores waited on these loads, issued per half right before them), one register a row:
+  // rank << 24 | slot (ranks <= 128, slots = T*k < 2^24: MoeDesc::validate), -1 for padding.
+  int where[4];
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const int row = row_block * GemmConfig::kBlockM + thread / 8 + 32 * i;
+    const int rank = p.src_rank()[row], slot = p.src_slot()[row];
+    where[i] = rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots() ? -1 : rank << 24 | slot;
+  }
   if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
   static_for<2>([&](auto half_) {
     constexpr int half = decltype(half_)::value;
@@ -419,10 +429,8 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int r = thread / 8 + 32 * i;
-      const int row = row_block * GemmConfig::kBlockM + r;
-      const int rank = p.src_rank()[row], slot = p.src_slot()[row];
-      if (rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots()) continue;  // padding row
-      __nv_bfloat16* dst = p.dest(rank) + int64_t(slot) * p.width();
+      if (where[i] < 0) continue;  // padding row
+      __nv_bfloat16* dst = p.dest(where[i] >> 24) + int64_t(where[i] & 0xffffff) * p.width();
       CUTE_UNROLL
       for (int b = 0; b < 2; ++b) {
         const int col = n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
