@@ -1,12 +1,16 @@
 // The precision template parameter of the expert GEMMs, at fp8: the persistent grouped GEMM with
 // e4m3 operands (fp8_gemm.h) against a CPU product of the same values, on fresh random inputs,
 // with an empty expert, a row count and a K and N that are not multiples of the tile, outputs
-// poisoned first, and reruns compared bit for bit. Runs only where a GPU is (tools/gpu.sh).
+// poisoned first, and reruns compared bit for bit; and the activations' block-scaled e4m3
+// quantization (mok/cuda/fp8.h) against the CPU oracle, bit for bit. Runs only where a GPU is
+// (tools/gpu.sh).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "fp8_gemm.h"
@@ -14,6 +18,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/fp8.h"
 #include "mok/core/problem.h"
+#include "mok/cuda/fp8.h"
 
 namespace mok {
 namespace {
@@ -89,6 +94,49 @@ TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
     }
   }
   EXPECT_EQ(dstatus.download()[0], 0);
+}
+
+TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // Rows of magnitudes from 2^-40 to 2^40 (tiny blocks lose values to e4m3's subnormals; huge ones
+  // take large scales), an all-zero row, a row of one large value among small ones, exact 448s
+  // and negative zeros; 7168 + 80 columns, so the last block of a row is partial.
+  const int64_t rows = 83, cols = 7168 + 80;
+  Rng rng(0xf8a5ull);
+  std::vector<float> x = test::random_bf16(rng, rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float& v = x[size_t(r * cols + c)];
+      v = r == 3 ? 0.0f : round_to_bf16(std::ldexp(v, int(r % 81) - 40));
+    }
+  x[size_t(5 * cols + 17)] = 1.0e4f;
+  x[size_t(6 * cols + 1)] = 448.0f;
+  x[size_t(6 * cols + 2)] = -448.0f;
+  x[size_t(7 * cols + 9)] = -0.0f;
+  const fp8::Quantized want = fp8::quantize_activations(x.data(), rows, cols);
+
+  DeviceBuffer<uint16_t> dx(x.size());
+  DeviceBuffer<uint8_t> dcodes(want.codes.size());
+  DeviceBuffer<float> dscales(want.scales.size());
+  ASSERT_NE(dx.ptr, nullptr);
+  dx.upload(test::to_bits(x));
+  for (int run = 0; run < 2; ++run) {
+    dcodes.poison(0xaa);
+    dscales.poison();
+    cuda::quantize_rows_e4m3(dx.ptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> codes = dcodes.download();
+    const std::vector<float> scales = dscales.download();
+    for (size_t i = 0; i < want.scales.size(); ++i)
+      ASSERT_EQ(std::memcmp(&scales[i], &want.scales[i], sizeof(float)), 0)
+          << "scale of row " << i / want.col_blocks() << " block " << i % want.col_blocks() << ": " << scales[i]
+          << " against " << want.scales[i];
+    for (size_t i = 0; i < want.codes.size(); ++i)
+      ASSERT_EQ(codes[i], want.codes[i]) << "row " << i / cols << " column " << i % cols << " (x " << x[i] << ")";
+  }
+  EXPECT_THROW(cuda::quantize_rows_e4m3(dx.ptr, -1, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
 }
 
 }  // namespace
