@@ -2,7 +2,8 @@
 // needed, so it runs with every ctest. Every tile of both GEMMs comes exactly once per minibatch,
 // the first GEMM's tiles before the second's (so the lowest unfinished task can always run), each
 // naming the expert whose segment holds its row block and the ring slot of its minibatch; inside
-// a minibatch's GEMM the tiles go expert by expert, row blocks fastest.
+// a minibatch's GEMM the tiles go expert by expert, in groups of kRowGroup row blocks, each
+// group's row blocks fastest.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,29 +50,22 @@ void check_order(const Layout& l) {
     const int blocks = std::min(mb, row_blocks - b * mb);
     for (int second = 0; second < 2; ++second) {
       const int n_blocks = second ? l.n_second : l.n_first;
-      int last_expert = -1;
+      // The order written out plainly: expert by expert, inside an expert groups of kRowGroup row
+      // blocks, each group's row blocks fastest, then its column blocks.
+      std::vector<std::pair<int, int>> expected;  // (row block, n block)
+      for (int e = 0; e < experts; ++e) {
+        const int first = std::max(s->offsets[e] / 128, b * mb), end = std::min(s->offsets[e + 1] / 128, b * mb + blocks);
+        for (int g = first; g < end; g += MegaTasks<MegaForwardParams>::kRowGroup) {
+          const int g_end = std::min(g + MegaTasks<MegaForwardParams>::kRowGroup, end);
+          for (int n = 0; n < n_blocks; ++n)
+            for (int rb = g; rb < g_end; ++rb) expected.push_back({rb, n});
+        }
+      }
+      ASSERT_EQ(int(expected.size()), blocks * n_blocks);
       for (int i = 0; i < blocks * n_blocks; ++i, ++linear) {
         const MegaTask t = tasks.at(linear);
-        // Expert by expert (the CTAs running together share its weight tiles in L2), and inside
-        // an expert its row blocks fastest.
-        ASSERT_GE(t.tile.expert, last_expert) << "task " << linear << " goes back to an earlier expert";
-        // The expert's row blocks in this minibatch: [first, end).
-        const int first = std::max(s->offsets[t.tile.expert] / 128, b * mb);
-        const int end = std::min(s->offsets[t.tile.expert + 1] / 128, b * mb + blocks);
-        if (t.tile.expert != last_expert) {
-          ASSERT_EQ(t.tile.n_block, 0) << "a new expert starts at its first column block";
-          ASSERT_EQ(t.row_block, first) << "and at its first row block";
-        } else {
-          const MegaTask before = tasks.at(linear - 1);
-          if (before.row_block + 1 < end) {
-            ASSERT_EQ(t.tile.n_block, before.tile.n_block);
-            ASSERT_EQ(t.row_block, before.row_block + 1);
-          } else {
-            ASSERT_EQ(t.tile.n_block, before.tile.n_block + 1);
-            ASSERT_EQ(t.row_block, first);
-          }
-        }
-        last_expert = t.tile.expert;
+        ASSERT_EQ(t.row_block, expected[i].first) << "task " << linear << " (minibatch " << b << ", " << i << ")";
+        ASSERT_EQ(t.tile.n_block, expected[i].second) << "task " << linear << " (minibatch " << b << ", " << i << ")";
         ASSERT_EQ(t.minibatch, b) << linear;
         ASSERT_EQ(int(t.second), second) << "minibatch " << b << ": the first GEMM's tiles come first";
         ASSERT_EQ(t.wgrad, 0);
@@ -95,18 +89,20 @@ void check_order(const Layout& l) {
 }
 
 TEST(MegakernelTaskOrder, EveryTileOncePerMinibatchFirstGemmFirst) {
-  // kimi-like (3 row blocks per expert, 17-block minibatches), one expert with every row, empty
+  // kimi-like (3 row blocks per expert, 17-block minibatches), mixtral-like (32 row blocks per
+  // expert: groups of 8, minibatches ending inside experts), one expert with every row, empty
   // experts between, a ring of one minibatch, minibatches that end inside an expert.
   check_order({std::vector<int32_t>(192, 384), 2176, 6528, 16, 28});
+  check_order({std::vector<int32_t>(4, 4096), 2176, 13056, 112, 16});
   check_order({{0, 0, 4096, 0}, 384, 384, 3, 2});
   check_order({{128, 0, 0, 256, 0, 1280, 128}, 256, 256, 5, 1});
   check_order({{128}, 128, 128, 1, 1});
   std::mt19937 rng(7);
   for (int trial = 0; trial < 200; ++trial) {
     std::vector<int32_t> rows(1 + rng() % 40);
-    for (int32_t& r : rows) r = 128 * int32_t(rng() % 4 == 0 ? 0 : rng() % 12);
+    for (int32_t& r : rows) r = 128 * int32_t(rng() % 4 == 0 ? 0 : rng() % 30);
     if (std::all_of(rows.begin(), rows.end(), [](int32_t r) { return r == 0; })) rows[0] = 128;
-    const int mb = 128 * int(1 + rng() % 9);
+    const int mb = 128 * int(1 + rng() % 24);
     check_order({rows, mb, mb * int(1 + rng() % 3), int(1 + rng() % 30), int(1 + rng() % 30)});
   }
 }

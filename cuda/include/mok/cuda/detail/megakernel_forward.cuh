@@ -181,6 +181,7 @@ struct MegaTask {
 // and device: cuda/tests/test_task_order.cu checks the order on the CPU.
 template <class Params>
 struct MegaTasks {
+  static constexpr int kRowGroup = 8;  // row blocks of an expert's segment taken together
   const Params& p;
   const GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>& s;
 
@@ -239,13 +240,15 @@ struct MegaTasks {
     task.second = local >= rbs * p.n_first;
     if (task.second) local -= rbs * p.n_first;
     const int n_blocks = task.second ? p.n_second : p.n_first;
-    // Expert by expert inside the minibatch, the expert's row blocks fastest, then its column
-    // blocks: the CTAs running together share an expert's weight tiles in L2. (Groups of 8 row
-    // blocks of the minibatch, crossing experts, re-read weights from HBM: on kimi the megakernel
-    // moved 32 GB to its GEMMs' 21, session 7's ncu. A segment is at most a minibatch, about two
-    // waves of tiles, so it needs no groups of its own; they cost the producer a spill.) Every row
-    // block of the minibatch has n_blocks tasks, so task `local` lies in the segment of its row
-    // block local / n_blocks, and the segment's tasks start at its first row block's.
+    // Expert by expert inside the minibatch, and inside an expert groups of kRowGroup row blocks,
+    // each group's row blocks fastest, then its column blocks: the CTAs running together share an
+    // expert's weight tiles in L2. (Groups of 8 row blocks of the minibatch, crossing experts,
+    // re-read weights from HBM: on kimi the megakernel moved 32 GB to its GEMMs' 21, session 7's
+    // ncu. A segment without groups, all its row blocks fastest, finishes every row block's first
+    // GEMM only at the segment's end, so the second GEMM's first tiles wait for its tail: mixtral's
+    // 17-block segments ran 3% slower so, session 8.) Every row block of the minibatch has
+    // n_blocks tasks, so task `local` lies in the segment of its row block local / n_blocks, and
+    // the segment's tasks start at its first row block's.
     const int first_rb = b * mb;
     int lo = 0, hi = p.experts - 1;  // the expert holding that row block: the last one starting at or before it
     {
@@ -262,15 +265,17 @@ struct MegaTasks {
     const int expert = lo;
     const int seg_begin = max(s.offsets[expert] / GemmConfig::kBlockM - first_rb, 0);  // in the minibatch
     const int seg_end = min(s.offsets[expert + 1] / GemmConfig::kBlockM - first_rb, rbs);
-    const int in_seg = local - seg_begin * n_blocks, seg_rows = seg_end - seg_begin;
-    const int rb_local = seg_begin + in_seg % seg_rows;
+    const int in_seg = local - seg_begin * n_blocks;
+    const int group = in_seg / (kRowGroup * n_blocks), in_group = in_seg - group * kRowGroup * n_blocks;
+    const int group_rows = min(kRowGroup, seg_end - seg_begin - group * kRowGroup);
+    const int rb_local = seg_begin + group * kRowGroup + in_group % group_rows;
     task.minibatch = b;
     task.row_block = first_rb + rb_local;
     const int slots = p.ring_rows / p.mb_rows;
     task.tile.expert = expert;
     task.tile.m_block = (b % slots) * mb + rb_local;  // the ring's row block
     task.tile.save_m_block = task.row_block;
-    task.tile.n_block = in_seg / seg_rows;
+    task.tile.n_block = in_group / group_rows;
     task.tile.row_end = s.offsets[expert + 1];
     task.tile.k_begin = 0;
     task.tile.k_end = task.second ? p.k_second : p.k_first;
