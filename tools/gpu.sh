@@ -7,7 +7,7 @@
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
-# bench_experts, bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
+# bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -171,6 +171,12 @@ if has bench_experts; then
     > "$LOGS/experts_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/experts_1gpu_h200.json" >> "$LOGS/experts_1gpu_h200.log" 2>&1 || true
   publish; log "bench experts done"; tail -5 "$LOGS/experts_1gpu_h200.log"
+fi
+
+if has bench_gemms; then  # each expert GEMM against torch._grouped_mm (MOK_GEMMS_ARGS: e.g. "--rows 4096")
+  timeout --kill-after=10 "$(left 300)" python3 -m bench.gemms --out "$LOGS/gemms_1gpu_h200.md" ${MOK_GEMMS_ARGS:-} \
+    > "$LOGS/gemms_1gpu_h200.log" 2>&1 || status=1
+  publish; log "bench gemms done"; tail -3 "$LOGS/gemms_1gpu_h200.log"
 fi
 
 if has bench_1gpu; then

@@ -158,13 +158,14 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
   }
 }
 
-// The backward on the same rows (mok::cuda::ExpertsBackwardArgs, in its field order).
+// The backward on the same rows (mok::cuda::ExpertsBackwardArgs, in its field order). which: 0 =
+// all of it, 1 = the dgrad steps only (experts_dgrad), 2 = the weight gradients only (experts_wgrad).
 int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t intermediate, int64_t local_experts,
                               const void* expert_offsets, const void* x, const void* gu, const void* h, const void* dy,
                               const void* row_weight, const void* w_gate, const void* w_up, const void* w_down,
                               void* dgu, void* hw, void* dw_partial, void* dx, void* d_row_weight, void* d_w_gate,
                               void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit, void* status,
-                              void* stream, char* error, int error_len) {
+                              void* stream, int which, char* error, int error_len) {
   try {
     mok::cuda::ExpertsBackwardArgs a;
     a.row_capacity = row_capacity;
@@ -191,7 +192,14 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
     a.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
     if (has_limit) a.swiglu_limit = limit;
     a.status = static_cast<int32_t*>(status);
-    mok::cuda::experts_backward(a, static_cast<cudaStream_t>(stream));
+    auto s = static_cast<cudaStream_t>(stream);
+    if (which == 1) {
+      mok::cuda::experts_dgrad(a, s);
+    } else if (which == 2) {
+      mok::cuda::experts_wgrad(a, s);
+    } else {
+      mok::cuda::experts_backward(a, s);
+    }
     return 0;
   } catch (const std::exception& e) {
     write_error(e, error, error_len);

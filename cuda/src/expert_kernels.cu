@@ -143,6 +143,11 @@ void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
 }
 
 void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  experts_dgrad(a, stream);
+  experts_wgrad(a, stream);
+}
+
+void experts_dgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   require(a);
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   using KMajor = host_util::BackwardK;
@@ -167,8 +172,6 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
                                                       2 * ceil_div(I, KMajor::kBlockK), a.expert_offsets, a.status),
            a.num_sms, stream);
   }
-
-  experts_wgrad(a, stream);
 }
 
 void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {

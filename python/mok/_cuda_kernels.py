@@ -34,7 +34,8 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_experts_backward.restype = ctypes.c_int
     lib.mok_cuda_experts_backward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 17 + [
-        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
+        ctypes.c_int]
     lib.mok_cuda_copy_bytes.restype = ctypes.c_int
     lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -152,10 +153,14 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
                      dy: torch.Tensor, row_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                      w_down: torch.Tensor, *, dx: torch.Tensor, d_row_weight: torch.Tensor, d_w_gate: torch.Tensor,
                      d_w_up: torch.Tensor, d_w_down: torch.Tensor, scratch: BackwardScratch,
-                     swiglu_limit: float | None = None, status: torch.Tensor | None = None) -> None:
+                     swiglu_limit: float | None = None, status: torch.Tensor | None = None, which: int = 0) -> None:
     """The backward of experts_forward on the same rows (row_weight: each row's router weight, 0 for
     padding rows): dx, d row weight and the weight gradients (fp32, or bf16 when d_w_* are), in a
-    fixed reduction order. Asynchronous on the current stream."""
+    fixed reduction order. Asynchronous on the current stream. ``which``: 0 = all of it, 1 = the
+    dgrad steps only (dx, d row weight, scratch), 2 = the weight gradients only (from the scratch a
+    dgrad call left)."""
+    if which not in (0, 1, 2):
+        raise ValueError(f"which must be 0, 1 or 2, got {which}")
     El, I, H = w_gate.shape
     rows = x_rows.shape[0]
     bf16, f32 = torch.bfloat16, torch.float32
@@ -177,7 +182,7 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
         _ptr(w_up), _ptr(w_down), _ptr(scratch.dgu), _ptr(scratch.hw), _ptr(scratch.dw_partial), _ptr(dx),
         _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16),
         int(swiglu_limit is not None),
-        float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream().cuda_stream, error, len(error))
+        float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream().cuda_stream, which, error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
 

@@ -190,3 +190,33 @@ def test_profile_writes_one_kernel_table_per_timed_pass(tmp_path: Path) -> None:
         pass_name = "backward" if "_backward_" in table.name else "forward"
         assert f"5 runs of the {pass_name} pass" in text
         assert "aten::" in text
+
+
+def test_gemm_table_counts_each_steps_flops_and_ratio() -> None:
+    from bench import gemms
+
+    # One step's GEMMs: gate|up 2 * M * 2I * H, down 2 * M * H * I, dgrad and wgrad three of those.
+    M, H, I = 48 * 512, 7168, 2048
+    assert gemms.step_flops("gate_up", M, H, I) == 4.0 * M * H * I
+    assert gemms.step_flops("down", M, H, I) == 2.0 * M * H * I
+    assert gemms.step_flops("dgrad", M, H, I) == gemms.step_flops("wgrad", M, H, I) == 6.0 * M * H * I
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemms.balanced_counts(4, 100)
+    assert gemms.balanced_counts(3, 256) == [256, 256, 256]
+    row = gemms.Row("kimi-k2", 48, 512, "down", mok_ms=1.0, torch_ms=1.25, flops=2.0 * M * H * I, rel_error=1e-3,
+                    dense_tflops=800.0)
+    assert row.ratio == 1.25
+    table = gemms.render([row], "# title")
+    # The row's cells: both times, MoK's rate (2*M*H*I / 1 ms), the ratio, the fraction of dense.
+    cells = [c.strip() for c in table.splitlines()[-1].strip("|").split("|")]
+    assert cells[:5] == ["kimi-k2", "48 x 512", "down", "1.000", "1.250"]
+    assert cells[5] == f"{2.0 * M * H * I / 1e-3 / 1e12:.0f}" and cells[7] == "1.25"
+    assert cells[8] == f"{2.0 * M * H * I / 1e-3 / 1e12 / 800:.0%}"
+
+
+def test_gemm_benchmark_says_it_needs_a_gpu(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-m", "bench.gemms", "--out", str(tmp_path / "g.md")], env=env,
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "needs a GPU" in proc.stderr

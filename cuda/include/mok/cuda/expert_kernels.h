@@ -91,7 +91,11 @@ inline int64_t dw_partial_blocks(int64_t intermediate) { return (intermediate + 
 
 std::string can_implement(const ExpertsBackwardArgs& args);
 // dx rows, d row weight and weight gradients (fp32 or bf16); reductions in a fixed order (no atomics).
+// experts_dgrad then experts_wgrad.
 void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
+// Its first steps alone: dh = dy W_down with the SwiGLU backward (dg|du, w*h, d row weight), then
+// dx = dg W_gate + du W_up (the weight gradients are not written).
+void experts_dgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
 // Its last step alone: the weight gradients from x, dy and the dg|du, w*h rows of the dgrad
 // (dx, d_row_weight and dw_partial are not read).
 void experts_wgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);

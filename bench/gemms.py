@@ -1,0 +1,238 @@
+"""Each expert GEMM of MoK against ``torch._grouped_mm`` on the same grouped rows, one GPU.
+
+The ``experts`` cases of ``bench.run`` time the whole MLP (both GEMMs forward, the whole backward);
+this times each GEMM step alone, as the expert-kernel issue asks ("every grouped GEMM >= 1.0x
+torch._grouped_mm"), in one process on one GPU, with each output checked against torch's before it
+is timed:
+
+====================  ======================================  ===========================================
+step                  MoK (one launch unless said)            torch
+====================  ======================================  ===========================================
+gate_up               [g|u] = x [W_gate; W_up]^T, SwiGLU       [g|u] = one _grouped_mm on [W_gate; W_up]
+                      fused (h and g|u stored, as training)
+down                  y = h W_down^T                           y = _grouped_mm
+dgrad                 dh = dy W_down, SwiGLU backward fused,   dh = _grouped_mm, dx = _grouped_mm over
+                      then dx = dg W_gate + du W_up (2)        [dg|du] and [W_gate; W_up] (2)
+wgrad                 dW_gate, dW_up, dW_down per expert,      d[W_gate; W_up] = one _grouped_mm over
+                      bf16, fixed order (3)                    [dg|du]^T x, dW_down = _grouped_mm (2)
+====================  ======================================  ===========================================
+
+MoK's steps do more than torch's (the SwiGLU and its backward fused, three weight-gradient
+launches where torch takes two): the ratio is torch's time over MoK's. Rows per expert are
+multiples of 128 so both see the same rows (MoK pads each expert to 128 rows).
+
+    python -m bench.gemms --out bench/results/<dir>/gemms_1gpu_h200.md   [--presets ...] [--rows 512,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .presets import get_preset
+
+PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
+STEPS = ("gate_up", "down", "dgrad", "wgrad")
+
+
+def step_flops(step: str, rows: int, hidden: int, intermediate: int) -> float:
+    """FLOPs of a step's GEMMs (the fused elementwise work is not counted)."""
+    mhi = float(rows) * hidden * intermediate
+    return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "wgrad": 6 * mhi}[step]
+
+
+def balanced_counts(local_experts: int, rows_per_expert: int) -> list[int]:
+    if rows_per_expert % 128:
+        raise ValueError(f"rows per expert must be a multiple of 128 (MoK's segment alignment), got {rows_per_expert}")
+    return [rows_per_expert] * local_experts
+
+
+@dataclass
+class Row:
+    preset: str
+    local_experts: int
+    rows_per_expert: int
+    step: str
+    mok_ms: float
+    torch_ms: float
+    flops: float
+    rel_error: float
+    dense_tflops: float
+
+    @property
+    def ratio(self) -> float:
+        return self.torch_ms / self.mok_ms
+
+    def tflops(self, ms: float) -> float:
+        return self.flops / (ms * 1e-3) / 1e12
+
+
+def render(rows: list[Row], header: str) -> str:
+    """A markdown table: both times, TF/s, the ratio and MoK's fraction of the dense rate."""
+    out = [header, "",
+           "| preset | El x rows | step | MoK ms | torch ms | MoK TF/s | torch TF/s | torch / MoK | MoK / dense | rel error |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r.preset} | {r.local_experts} x {r.rows_per_expert} | {r.step} | {r.mok_ms:.3f} | "
+                   f"{r.torch_ms:.3f} | {r.tflops(r.mok_ms):.0f} | {r.tflops(r.torch_ms):.0f} | {r.ratio:.2f} | "
+                   f"{r.tflops(r.mok_ms) / r.dense_tflops:.0%} | {r.rel_error:.1e} |")
+    return "\n".join(out) + "\n"
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def dense_tflops(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2.0 * n**3 / (median_ms(lambda: a @ b, iters) * 1e-3) / 1e12
+
+
+def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float) -> list[Row]:
+    from mok import _cuda_kernels as k
+
+    p = get_preset(preset_name)
+    El, H, I = max(1, p.E // 8), p.H, p.I
+    counts = balanced_counts(El, rows_per_expert)
+    M = sum(counts)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(zlib.crc32(f"{preset_name} {rows_per_expert}".encode()))
+    bf = torch.bfloat16
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * scale).to(bf)
+
+    x, dy = randn(M, H), randn(M, H)
+    w_gate, w_up = randn(El, I, H, scale=H**-0.5), randn(El, I, H, scale=H**-0.5)
+    w_down = randn(El, H, I, scale=I**-0.5)
+    w_gu = torch.cat([w_gate, w_up], dim=1)  # [El, 2I, H]: torch's one gate|up GEMM
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    offs = ends.to(torch.int32).to(dev)  # torch: the groups' end offsets
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)  # MoK: El + 1 starts
+    gu, h, y = (torch.empty(M, n, dtype=bf, device=dev) for n in (2 * I, I, H))
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
+    scratch = k.BackwardScratch(M, I, dev)
+    row_weight = torch.ones(M, dtype=torch.float32, device=dev)
+    dx, d_row_weight = torch.empty(M, H, dtype=bf, device=dev), torch.empty(M, dtype=torch.float32, device=dev)
+    d_w = [torch.empty(shape, dtype=bf, device=dev) for shape in ((El, I, H), (El, I, H), (El, H, I))]
+    limit = p.swiglu_limit
+    fwd = dict(h=h, y=y, gu=gu, swiglu_limit=limit, status=status)
+    bwd = dict(dx=dx, d_row_weight=d_row_weight, d_w_gate=d_w[0], d_w_up=d_w[1], d_w_down=d_w[2], scratch=scratch,
+               swiglu_limit=limit, status=status)
+
+    def mok_gate_up() -> None:
+        k.experts_forward(x, offsets, w_gate, w_up, w_down, which=1, **fwd)
+
+    def mok_down() -> None:
+        k.experts_forward(x, offsets, w_gate, w_up, w_down, which=2, **fwd)
+
+    def mok_dgrad() -> None:
+        k.experts_backward(x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, which=1, **bwd)
+
+    def mok_wgrad() -> None:
+        k.experts_backward(x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, which=2, **bwd)
+
+    def torch_gate_up() -> torch.Tensor:
+        return torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)
+
+    def torch_down() -> torch.Tensor:
+        return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
+
+    def torch_dgrad() -> tuple[torch.Tensor, torch.Tensor]:
+        dh = torch._grouped_mm(dy, w_down, offs=offs)
+        return dh, torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
+
+    def torch_wgrad() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch._grouped_mm(scratch.dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), scratch.hw, offs=offs))
+
+    # Each MoK step runs first on fresh (poisoned) outputs and is checked against torch's.
+    out: list[Row] = []
+    for t in (gu, h, y, dx, *d_w, scratch.dgu, scratch.hw):
+        t.fill_(float("nan"))
+    mok_gate_up()
+    err_gate_up = rel_error(gu, torch_gate_up())
+    mok_down()
+    err_down = rel_error(y, torch_down())
+    mok_dgrad()
+    err_dgrad = rel_error(dx, torch_dgrad()[1])
+    mok_wgrad()
+    t_wgu, t_wd = torch_wgrad()
+    err_wgrad = max(rel_error(d_w[0], t_wgu[:, :I]), rel_error(d_w[1], t_wgu[:, I:]), rel_error(d_w[2], t_wd))
+    torch.cuda.synchronize()
+    if int(status.item()) != 0:
+        raise RuntimeError(f"{preset_name} {rows_per_expert}: MoK's status word is {int(status.item())}")
+    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, wgrad=err_wgrad)
+    steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
+                 wgrad=(mok_wgrad, torch_wgrad))
+    for step in STEPS:
+        if not errors[step] <= tolerance:  # NaN fails too
+            raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "
+                               f"(relative L2 error {errors[step]:.3e} > {tolerance})")
+        ours, theirs = steps[step]
+        # Interleaved twice: the power cap moves the clocks between measurements.
+        mok_times, torch_times = [], []
+        for _ in range(2):
+            mok_times.append(median_ms(ours, iters))
+            torch_times.append(median_ms(theirs, iters))
+        out.append(Row(preset_name, El, rows_per_expert, step, min(mok_times), min(torch_times),
+                       step_flops(step, M, H, I), errors[step], dense))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--rows", default="512,1024,4096", help="rows per expert (multiples of 128)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gemms needs a GPU (the MoK kernels are sm_90a)", file=sys.stderr)
+        return 2
+    dense = dense_tflops()
+    rows: list[Row] = []
+    for rpe in (int(r) for r in args.rows.split(",")):
+        for preset in args.presets.split(","):
+            for row in run_shape(preset, rpe, dense, args.iters, args.tolerance):
+                rows.append(row)
+                print(f"{row.preset:16s} {row.local_experts:3d} x {row.rows_per_expert:5d} {row.step:8s} "
+                      f"mok {row.mok_ms:8.3f} ms  torch {row.torch_ms:8.3f} ms  torch/mok {row.ratio:5.2f}  "
+                      f"mok {row.tflops(row.mok_ms):5.0f} TF/s ({row.tflops(row.mok_ms) / dense:.0%} of dense)", flush=True)
+    header = (f"# Expert GEMMs, MoK against torch._grouped_mm ({torch.cuda.get_device_name()}, torch {torch.__version__})\n\n"
+              f"Dense bf16 rate measured in the same run: {dense:.0f} TF/s. Balanced rows; each time is the lower of two "
+              f"interleaved medians of {args.iters} iterations; outputs checked against torch first.")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(rows, header))
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"dense_tflops": dense, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=1))
+    print(render(rows, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
