@@ -13,6 +13,9 @@ gate_up               [g|u] = x [W_gate; W_up]^T, SwiGLU       [g|u] = one _grou
 down                  y = h W_down^T                           y = _grouped_mm
 dgrad                 dh = dy W_down, SwiGLU backward fused,   dh = _grouped_mm, dx = _grouped_mm over
                       then dx = dg W_gate + du W_up (2)        [dg|du] and [W_gate; W_up] (2)
+dgrad_act             the same                                 the same with the SwiGLU backward between,
+                                                               as autograd runs it (silu, silu_backward,
+                                                               products, cat; no clamp)
 wgrad                 dW_gate, dW_up, dW_down per expert,      d[W_gate; W_up] = one _grouped_mm over
                       bf16, fixed order (3)                    [dg|du]^T x, dW_down = _grouped_mm (2)
 ====================  ======================================  ===========================================
@@ -40,13 +43,13 @@ import torch
 from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
-STEPS = ("gate_up", "down", "dgrad", "wgrad")
+STEPS = ("gate_up", "down", "dgrad", "dgrad_act", "wgrad")
 
 
 def step_flops(step: str, rows: int, hidden: int, intermediate: int) -> float:
     """FLOPs of a step's GEMMs (the fused elementwise work is not counted)."""
     mhi = float(rows) * hidden * intermediate
-    return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "wgrad": 6 * mhi}[step]
+    return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "dgrad_act": 6 * mhi, "wgrad": 6 * mhi}[step]
 
 
 def balanced_counts(local_experts: int, rows_per_expert: int) -> list[int]:
@@ -166,6 +169,13 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
         dh = torch._grouped_mm(dy, w_down, offs=offs)
         return dh, torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
 
+    def torch_dgrad_act() -> torch.Tensor:
+        dh = torch._grouped_mm(dy, w_down, offs=offs)
+        g, u = gu[:, :I], gu[:, I:]
+        du = dh * torch.nn.functional.silu(g)
+        dg = torch.ops.aten.silu_backward(dh * u, g)
+        return torch._grouped_mm(torch.cat([dg, du], dim=1), w_gu.view(El, 2 * I, H), offs=offs)
+
     def torch_wgrad() -> tuple[torch.Tensor, torch.Tensor]:
         return (torch._grouped_mm(scratch.dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), scratch.hw, offs=offs))
 
@@ -185,9 +195,10 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     torch.cuda.synchronize()
     if int(status.item()) != 0:
         raise RuntimeError(f"{preset_name} {rows_per_expert}: MoK's status word is {int(status.item())}")
-    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, wgrad=err_wgrad)
+    # dgrad_act times the same MoK call as dgrad (its dx is checked there).
+    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, wgrad=err_wgrad)
     steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
-                 wgrad=(mok_wgrad, torch_wgrad))
+                 dgrad_act=(mok_dgrad, torch_dgrad_act), wgrad=(mok_wgrad, torch_wgrad))
     for step in STEPS:
         if not errors[step] <= tolerance:  # NaN fails too
             raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "
