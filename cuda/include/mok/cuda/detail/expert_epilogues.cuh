@@ -13,8 +13,6 @@
 
 #include <cuda_bf16.h>
 
-#include <type_traits>
-
 #include <cute/tensor.hpp>
 
 #include "mok/cuda/detail/gemm_config.cuh"
@@ -124,18 +122,6 @@ __device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, cons
     tma_store_arrive();
   }
 }
-
-// A bulk prefetch of `bytes` (a multiple of 16, from a 16-byte aligned address) into L2.
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
-}
-
-// Whether an epilogue has its operands prefetched into L2 by the producer warp (prefetch_operands).
-template <class Epilogue, class = void>
-struct PrefetchesOperands : std::false_type {};
-template <class Epilogue>
-struct PrefetchesOperands<Epilogue, std::void_t<decltype(Epilogue::kPrefetchesOperands)>>
-    : std::bool_constant<Epilogue::kPrefetchesOperands> {};
 
 // Called once by every consumer thread after its last tile: the bulk stores have completed.
 __device__ __forceinline__ void drain_stores(int thread) {
@@ -346,21 +332,6 @@ struct SwiGluBackwardEpilogue {
       }
     }
     return partial;
-  }
-
-  // The tile's g, u and h row segments into L2, by the producer warp's 32 lanes when it starts
-  // loading the tile: the epilogue, a mainloop later, then reads them from L2, not HBM (its loads
-  // are serialized with the tensor cores' work).
-  static constexpr bool kPrefetchesOperands = true;
-  static __device__ __forceinline__ void prefetch_operands(const Params& p, const GroupedTile& t, int lane) {
-    const int64_t I = p.intermediate, col0 = int64_t(t.n_block) * GemmConfig::kBlockN;
-    const uint32_t bytes = uint32_t(min(int64_t(GemmConfig::kBlockN), I - col0)) * 2;  // I % 8 == 0: 16-byte sizes
-    for (int r = lane; r < GemmConfig::kBlockM; r += 32) {
-      const int64_t row = int64_t(t.m_block) * GemmConfig::kBlockM + r;
-      prefetch_l2(p.gu + row * 2 * I + col0, bytes);
-      prefetch_l2(p.gu + row * 2 * I + I + col0, bytes);
-      prefetch_l2(p.h + row * I + col0, bytes);
-    }
   }
 
   template <class Acc, class Coords>

@@ -123,31 +123,18 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   auto tile_at = [&](int linear) { return by_rows ? rows_sched.tile(linear) : weight_sched.tile(linear); };
 
   if (warpgroup == 0) {
-    // ---- producer (one elected thread of warp 0 loads; where the epilogue wants its operands
-    // prefetched, warp 0's 32 lanes do that as it starts each tile, and lane 0 loads) ----
+    // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    auto load_tile = [&](const GroupedTile& t, auto& state) {
-      for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-        pipeline.producer_acquire(state);
-        Mainloop::load(p.mainloop, smem.a, smem.b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
-        ++state;
-      }
-    };
-    if constexpr (PrefetchesOperands<Epilogue>::value) {
-      if (warp == 0) {
-        const int lane = threadIdx.x % 32;
-        auto state = cutlass::make_producer_start_state<Pipeline>();
-        for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
-          const GroupedTile t = tile_at(linear);
-          Epilogue::prefetch_operands(p.epilogue, t, lane);
-          if (lane == 0) load_tile(t, state);
-          __syncwarp();
-        }
-        if (lane == 0) pipeline.producer_tail(state);
-      }
-    } else if (warp == 0 && cute::elect_one_sync()) {
+    if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = blockIdx.x; linear < total; linear += gridDim.x) load_tile(tile_at(linear), state);
+      for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
+        const GroupedTile t = tile_at(linear);
+        for (int kb = t.k_begin; kb < t.k_end; ++kb) {
+          pipeline.producer_acquire(state);
+          Mainloop::load(p.mainloop, smem.a, smem.b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
+          ++state;
+        }
+      }
       pipeline.producer_tail(state);
     }
   } else {
