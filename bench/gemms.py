@@ -16,6 +16,8 @@ dgrad                 dh = dy W_down, SwiGLU backward fused,   dh = _grouped_mm,
 dgrad_act             the same                                 the same with the SwiGLU backward between,
                                                                as autograd runs it (silu, silu_backward,
                                                                products, cat; no clamp)
+dh_act, dx            dgrad's two launches apart               dgrad_act's dh GEMM with the SwiGLU
+                                                               backward; its dx GEMM
 wgrad                 dW_gate, dW_up, dW_down per expert,      d[W_gate; W_up] = one _grouped_mm over
                       bf16, fixed order (3)                    [dg|du]^T x, dW_down = _grouped_mm (2)
 ====================  ======================================  ===========================================
@@ -43,13 +45,14 @@ import torch
 from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
-STEPS = ("gate_up", "down", "dgrad", "dgrad_act", "wgrad")
+STEPS = ("gate_up", "down", "dgrad", "dgrad_act", "dh_act", "dx", "wgrad")
 
 
 def step_flops(step: str, rows: int, hidden: int, intermediate: int) -> float:
     """FLOPs of a step's GEMMs (the fused elementwise work is not counted)."""
     mhi = float(rows) * hidden * intermediate
-    return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "dgrad_act": 6 * mhi, "wgrad": 6 * mhi}[step]
+    return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "dgrad_act": 6 * mhi, "dh_act": 2 * mhi,
+            "dx": 4 * mhi, "wgrad": 6 * mhi}[step]
 
 
 def balanced_counts(local_experts: int, rows_per_expert: int) -> list[int]:
@@ -169,12 +172,24 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
         dh = torch._grouped_mm(dy, w_down, offs=offs)
         return dh, torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
 
-    def torch_dgrad_act() -> torch.Tensor:
+    def torch_dh_act() -> torch.Tensor:
         dh = torch._grouped_mm(dy, w_down, offs=offs)
         g, u = gu[:, :I], gu[:, I:]
         du = dh * torch.nn.functional.silu(g)
         dg = torch.ops.aten.silu_backward(dh * u, g)
-        return torch._grouped_mm(torch.cat([dg, du], dim=1), w_gu.view(El, 2 * I, H), offs=offs)
+        return torch.cat([dg, du], dim=1)
+
+    def torch_dx() -> torch.Tensor:
+        return torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
+
+    def torch_dgrad_act() -> torch.Tensor:
+        return torch._grouped_mm(torch_dh_act(), w_gu.view(El, 2 * I, H), offs=offs)
+
+    def mok_dh_act() -> None:
+        k.experts_backward(x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, which=3, **bwd)
+
+    def mok_dx() -> None:
+        k.experts_backward(x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, which=4, **bwd)
 
     def torch_wgrad() -> tuple[torch.Tensor, torch.Tensor]:
         return (torch._grouped_mm(scratch.dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), scratch.hw, offs=offs))
@@ -196,9 +211,12 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     if int(status.item()) != 0:
         raise RuntimeError(f"{preset_name} {rows_per_expert}: MoK's status word is {int(status.item())}")
     # dgrad_act times the same MoK call as dgrad (its dx is checked there).
-    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, wgrad=err_wgrad)
+    # (dh_act and dx are its two launches: the same outputs.)
+    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, dh_act=err_dgrad,
+                  dx=err_dgrad, wgrad=err_wgrad)
     steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
-                 dgrad_act=(mok_dgrad, torch_dgrad_act), wgrad=(mok_wgrad, torch_wgrad))
+                 dgrad_act=(mok_dgrad, torch_dgrad_act), dh_act=(mok_dh_act, torch_dh_act), dx=(mok_dx, torch_dx),
+                 wgrad=(mok_wgrad, torch_wgrad))
     for step in STEPS:
         if not errors[step] <= tolerance:  # NaN fails too
             raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "

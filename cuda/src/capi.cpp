@@ -159,7 +159,8 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
 }
 
 // The backward on the same rows (mok::cuda::ExpertsBackwardArgs, in its field order). which: 0 =
-// all of it, 1 = the dgrad steps only (experts_dgrad), 2 = the weight gradients only (experts_wgrad).
+// all of it, 1 = the dgrad steps only (experts_dgrad), 2 = the weight gradients only (experts_wgrad),
+// 3 and 4 = the dgrad's two launches apart (experts_dh_swiglu_backward, experts_dx).
 int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t intermediate, int64_t local_experts,
                               const void* expert_offsets, const void* x, const void* gu, const void* h, const void* dy,
                               const void* row_weight, const void* w_gate, const void* w_up, const void* w_down,
@@ -197,6 +198,10 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
       mok::cuda::experts_dgrad(a, s);
     } else if (which == 2) {
       mok::cuda::experts_wgrad(a, s);
+    } else if (which == 3) {
+      mok::cuda::experts_dh_swiglu_backward(a, s);
+    } else if (which == 4) {
+      mok::cuda::experts_dx(a, s);
     } else {
       mok::cuda::experts_backward(a, s);
     }

@@ -148,30 +148,39 @@ void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
 }
 
 void experts_dgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  experts_dh_swiglu_backward(a, stream);
+  experts_dx(a, stream);
+}
+
+void experts_dh_swiglu_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   require(a);
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  if (R == 0) return;
   using KMajor = host_util::BackwardK;
   const int dw_blocks = int(dw_partial_blocks(I));
+  // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
+  const KMajor::Params m = host_util::dh_operands(a.dy, a.w_down, R, H, I, El);
+  const detail::SwiGluBackwardEpilogue::Params e = host_util::swiglu_backward_target(
+      a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
+  launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
+                                                             a.expert_offsets, a.status),
+         a.num_sms, stream);
+  reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
+                                                          a.d_row_weight);
+  check(cudaGetLastError(), "launch reduce_row_partials");
+}
 
-  if (R > 0) {
-    // 1. dh = dy * W_down, SwiGLU backward in the epilogue.
-    const KMajor::Params m = host_util::dh_operands(a.dy, a.w_down, R, H, I, El);
-    const detail::SwiGluBackwardEpilogue::Params e = host_util::swiglu_backward_target(
-        a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
-    launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
-                                                               a.expert_offsets, a.status),
-           a.num_sms, stream);
-    reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
-                                                            a.d_row_weight);
-    check(cudaGetLastError(), "launch reduce_row_partials");
-
-    // 2. dx = dg * W_gate + du * W_up, one accumulator over both planes.
-    const KMajor::Params m2 = host_util::dx_operands(a.dgu, a.w_gate, a.w_up, R, H, I, El);
-    const detail::StoreEpilogue::Params e2{store_target(a.dx, R, H, H)};
-    launch(rows_params<KMajor, detail::StoreEpilogue>(m2, e2, El, R, ceil_div(H, GemmConfig::kBlockN),
-                                                      2 * ceil_div(I, KMajor::kBlockK), a.expert_offsets, a.status),
-           a.num_sms, stream);
-  }
+void experts_dx(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  if (R == 0) return;
+  using KMajor = host_util::BackwardK;
+  // dx = dg * W_gate + du * W_up, one accumulator over both planes.
+  const KMajor::Params m = host_util::dx_operands(a.dgu, a.w_gate, a.w_up, R, H, I, El);
+  const detail::StoreEpilogue::Params e{store_target(a.dx, R, H, H)};
+  launch(rows_params<KMajor, detail::StoreEpilogue>(m, e, El, R, ceil_div(H, GemmConfig::kBlockN),
+                                                    2 * ceil_div(I, KMajor::kBlockK), a.expert_offsets, a.status),
+         a.num_sms, stream);
 }
 
 void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {

@@ -158,9 +158,9 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
     padding rows): dx, d row weight and the weight gradients (fp32, or bf16 when d_w_* are), in a
     fixed reduction order. Asynchronous on the current stream. ``which``: 0 = all of it, 1 = the
     dgrad steps only (dx, d row weight, scratch), 2 = the weight gradients only (from the scratch a
-    dgrad call left)."""
-    if which not in (0, 1, 2):
-        raise ValueError(f"which must be 0, 1 or 2, got {which}")
+    dgrad call left); 3 and 4 = the dgrad's launches apart (dh with the SwiGLU backward; dx)."""
+    if which not in (0, 1, 2, 3, 4):
+        raise ValueError(f"which must be 0 to 4, got {which}")
     El, I, H = w_gate.shape
     rows = x_rows.shape[0]
     bf16, f32 = torch.bfloat16, torch.float32

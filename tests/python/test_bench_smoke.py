@@ -200,6 +200,7 @@ def test_gemm_table_counts_each_steps_flops_and_ratio() -> None:
     assert gemms.step_flops("gate_up", M, H, I) == 4.0 * M * H * I
     assert gemms.step_flops("down", M, H, I) == 2.0 * M * H * I
     assert gemms.step_flops("dgrad", M, H, I) == gemms.step_flops("wgrad", M, H, I) == 6.0 * M * H * I
+    assert gemms.step_flops("dh_act", M, H, I) + gemms.step_flops("dx", M, H, I) == gemms.step_flops("dgrad", M, H, I)
     with pytest.raises(ValueError, match="multiple of 128"):
         gemms.balanced_counts(4, 100)
     assert gemms.balanced_counts(3, 256) == [256, 256, 256]

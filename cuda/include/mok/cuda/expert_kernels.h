@@ -96,6 +96,10 @@ void experts_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
 // Its first steps alone: dh = dy W_down with the SwiGLU backward (dg|du, w*h, d row weight), then
 // dx = dg W_gate + du W_up (the weight gradients are not written).
 void experts_dgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
+// experts_dgrad's two launches alone (what the benchmark times apart): dh with the SwiGLU backward
+// and d row weight; dx from the dg|du rows the first left.
+void experts_dh_swiglu_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
+void experts_dx(const ExpertsBackwardArgs& args, cudaStream_t stream);
 // Its last step alone: the weight gradients from x, dy and the dg|du, w*h rows of the dgrad
 // (dx, d_row_weight and dw_partial are not read).
 void experts_wgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
