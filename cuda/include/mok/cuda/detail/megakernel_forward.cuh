@@ -409,7 +409,7 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
   const int piece = thread % 8;
   // Where the thread's 4 rows go, loaded once per tile and before the first staging writes (ncu:
   // the stores waited on these loads, issued per half right before them), one register a row:
-  // rank << 24 | slot (ranks <= 128, slots = T*k < 2^24: MoeDesc::validate), -1 for padding.
+  // rank << 24 | slot (ranks <= 128, slots = T*k < 2^24: the launcher's checks), -1 for padding.
   int where[4];
   CUTE_UNROLL
   for (int i = 0; i < 4; ++i) {
