@@ -170,7 +170,7 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
 
     def torch_dgrad() -> tuple[torch.Tensor, torch.Tensor]:
         dh = torch._grouped_mm(dy, w_down, offs=offs)
-        return dh, torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
+        return dh, torch._grouped_mm(scratch.dgu, w_gu, offs=offs)
 
     def torch_dh_act() -> torch.Tensor:
         dh = torch._grouped_mm(dy, w_down, offs=offs)
@@ -180,10 +180,10 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
         return torch.cat([dg, du], dim=1)
 
     def torch_dx() -> torch.Tensor:
-        return torch._grouped_mm(scratch.dgu, w_gu.view(El, 2 * I, H), offs=offs)
+        return torch._grouped_mm(scratch.dgu, w_gu, offs=offs)
 
     def torch_dgrad_act() -> torch.Tensor:
-        return torch._grouped_mm(torch_dh_act(), w_gu.view(El, 2 * I, H), offs=offs)
+        return torch._grouped_mm(torch_dh_act(), w_gu, offs=offs)
 
     def mok_dh_act() -> None:
         k.experts_backward(x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, which=3, **bwd)
