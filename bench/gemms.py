@@ -42,6 +42,8 @@ from typing import Callable
 
 import torch
 
+from mok import testing
+
 from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -99,17 +101,20 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median of per-call times, the calls enqueued back to back (one synchronization at the end,
+    as bench.runtime's timer): the host's launch overhead overlaps the previous call instead of
+    being timed on an idle GPU."""
     for _ in range(warmup):
         fn()
-    times = []
+    events = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def dense_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -194,26 +199,34 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     def torch_wgrad() -> tuple[torch.Tensor, torch.Tensor]:
         return (torch._grouped_mm(scratch.dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), scratch.hw, offs=offs))
 
-    # Each MoK step runs first on fresh (poisoned) outputs and is checked against torch's.
+    # Each MoK step runs first on fresh (poisoned) outputs, and every output it writes is checked:
+    # its GEMMs' against torch's on the same inputs, its fused elementwise work (SwiGLU, its
+    # backward, d row weight) against mok.testing's fp32 formulas on torch's GEMM outputs.
     out: list[Row] = []
-    for t in (gu, h, y, dx, *d_w, scratch.dgu, scratch.hw):
+    for t in (gu, h, y, dx, *d_w, scratch.dgu, scratch.hw, d_row_weight):
         t.fill_(float("nan"))
     mok_gate_up()
-    err_gate_up = rel_error(gu, torch_gate_up())
+    t_gu = torch_gate_up().float()
+    err_gate_up = max(rel_error(gu, t_gu), rel_error(h, testing.swiglu(t_gu[:, :I], t_gu[:, I:], limit)))
     mok_down()
     err_down = rel_error(y, torch_down())
     mok_dgrad()
-    err_dgrad = rel_error(dx, torch_dgrad()[1])
+    # dh_act: dg|du from torch's dh and the saved g|u; w*h with w = 1 is h; d row weight = sum dh*h.
+    t_dh = torch._grouped_mm(dy, w_down, offs=offs).float()
+    t_dg, t_du = testing.swiglu_backward(gu[:, :I].float(), gu[:, I:].float(), t_dh, limit)
+    err_dh_act = max(rel_error(scratch.dgu, torch.cat([t_dg, t_du], dim=1)), rel_error(scratch.hw, h),
+                     rel_error(d_row_weight, (t_dh * h.float()).sum(dim=1)))
+    err_dx = rel_error(dx, torch_dgrad()[1])
     mok_wgrad()
     t_wgu, t_wd = torch_wgrad()
     err_wgrad = max(rel_error(d_w[0], t_wgu[:, :I]), rel_error(d_w[1], t_wgu[:, I:]), rel_error(d_w[2], t_wd))
     torch.cuda.synchronize()
     if int(status.item()) != 0:
         raise RuntimeError(f"{preset_name} {rows_per_expert}: MoK's status word is {int(status.item())}")
-    # dgrad_act times the same MoK call as dgrad (its dx is checked there).
-    # (dh_act and dx are its two launches: the same outputs.)
-    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, dh_act=err_dgrad,
-                  dx=err_dgrad, wgrad=err_wgrad)
+    # dgrad is its two launches, dh_act and dx; dgrad_act times the same MoK call as dgrad.
+    err_dgrad = max(err_dh_act, err_dx)
+    errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, dh_act=err_dh_act,
+                  dx=err_dx, wgrad=err_wgrad)
     steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
                  dgrad_act=(mok_dgrad, torch_dgrad_act), dh_act=(mok_dh_act, torch_dh_act), dx=(mok_dx, torch_dx),
                  wgrad=(mok_wgrad, torch_wgrad))

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 #include "mok/core/planner.h"
@@ -148,8 +149,10 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
       mok::cuda::gate_up_swiglu(a, s);
     } else if (which == 2) {
       mok::cuda::down_projection(a, s);
-    } else {
+    } else if (which == 0) {
       mok::cuda::experts_forward(a, s);
+    } else {
+      throw std::invalid_argument("mok_cuda_experts_forward: which must be 0, 1 or 2, got " + std::to_string(which));
     }
     return 0;
   } catch (const std::exception& e) {
@@ -202,8 +205,10 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
       mok::cuda::experts_dh_swiglu_backward(a, s);
     } else if (which == 4) {
       mok::cuda::experts_dx(a, s);
-    } else {
+    } else if (which == 0) {
       mok::cuda::experts_backward(a, s);
+    } else {
+      throw std::invalid_argument("mok_cuda_experts_backward: which must be 0 to 4, got " + std::to_string(which));
     }
     return 0;
   } catch (const std::exception& e) {

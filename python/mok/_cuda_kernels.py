@@ -95,7 +95,10 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
                     w_down: torch.Tensor, *, h: torch.Tensor, y: torch.Tensor, gu: torch.Tensor | None = None,
                     swiglu_limit: float | None = None, status: torch.Tensor | None = None, which: int = 0) -> None:
     """h = act(x W_gate^T, x W_up^T), y = h W_down^T on rows grouped by expert (offsets [El+1] int32,
-    multiples of ROW_ALIGN, on the device). Writes h, y (and gu); asynchronous on the current stream."""
+    multiples of ROW_ALIGN, on the device). Writes h, y (and gu); asynchronous on the current stream.
+    ``which``: 0 = both GEMMs, 1 = gate/up + SwiGLU only, 2 = down only (from h)."""
+    if which not in (0, 1, 2):
+        raise ValueError(f"which must be 0, 1 or 2, got {which}")
     El, I, H = w_gate.shape
     rows = x_rows.shape[0]
     for name, t, shape in (("x_rows", x_rows, (rows, H)), ("w_gate", w_gate, (El, I, H)), ("w_up", w_up, (El, I, H)),
