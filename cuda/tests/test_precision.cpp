@@ -139,5 +139,60 @@ TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
 }
 
+TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // Three planes (experts) of 300 x (1024 + 80): partial 128 x 128 blocks at both edges. Each
+  // block's magnitudes from 2^-40 to 2^40 by its position, one all-zero block, one block whose
+  // largest value sits in its last partial row, exact 448s and negative zeros.
+  const int64_t planes = 3, rows = 300, cols = 1024 + 80;
+  const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+  Rng rng(0xf8b7ull);
+  std::vector<float> w = test::random_bf16(rng, planes * rows * cols);
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        float& v = w[size_t((p * rows + r) * cols + c)];
+        const int64_t block = (p * row_blocks + r / 128) * col_blocks + c / 128;
+        v = block == 5 ? 0.0f : round_to_bf16(std::ldexp(v, int(block * 7 % 81) - 40));
+      }
+  w[size_t((1 * rows + 299) * cols + 3)] = 3.0e4f;  // plane 1, last (partial) row block
+  w[size_t((2 * rows + 0) * cols + 1)] = 448.0f;
+  w[size_t((2 * rows + 1) * cols + 2)] = -448.0f;
+  w[size_t((0 * rows + 7) * cols + 9)] = -0.0f;
+  std::vector<uint8_t> want_codes;
+  std::vector<float> want_scales;
+  for (int64_t p = 0; p < planes; ++p) {
+    const fp8::Quantized q = fp8::quantize_weights(w.data() + p * rows * cols, rows, cols);
+    want_codes.insert(want_codes.end(), q.codes.begin(), q.codes.end());
+    want_scales.insert(want_scales.end(), q.scales.begin(), q.scales.end());
+  }
+  ASSERT_EQ(int64_t(want_scales.size()), planes * row_blocks * col_blocks);
+
+  DeviceBuffer<uint16_t> dw(w.size());
+  DeviceBuffer<uint8_t> dcodes(want_codes.size());
+  DeviceBuffer<float> dscales(want_scales.size());
+  ASSERT_NE(dw.ptr, nullptr);
+  dw.upload(test::to_bits(w));
+  for (int run = 0; run < 2; ++run) {
+    dcodes.poison(0xaa);
+    dscales.poison();
+    cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> codes = dcodes.download();
+    const std::vector<float> scales = dscales.download();
+    for (size_t i = 0; i < want_scales.size(); ++i)
+      ASSERT_EQ(std::memcmp(&scales[i], &want_scales[i], sizeof(float)), 0)
+          << "scale of block " << i << ": " << scales[i] << " against " << want_scales[i];
+    for (size_t i = 0; i < want_codes.size(); ++i)
+      ASSERT_EQ(codes[i], want_codes[i]) << "plane " << i / (rows * cols) << " row " << i / cols % rows << " column "
+                                         << i % cols << " (w " << w[i] << ")";
+  }
+  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, -1, cols, dcodes.ptr, dscales.ptr, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, nullptr, dscales.ptr, nullptr),
+               std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace mok
