@@ -143,8 +143,9 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
   // Three planes (experts) of 300 x (1024 + 80): partial 128 x 128 blocks at both edges. Each
-  // block's magnitudes from 2^-40 to 2^40 by its position, one all-zero block, one block whose
-  // largest value sits in its last partial row, exact 448s and negative zeros.
+  // block's magnitudes from 2^-40 to 2^40 by its position; one all-zero block; two blocks of small
+  // values (2^-10) whose largest value is placed: 30720 in block 45's last (partial) row (scale
+  // 2^7, code 240), 448 and -448 in block 54 (scale 1, the largest codes); a negative zero.
   const int64_t planes = 3, rows = 300, cols = 1024 + 80;
   const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
   Rng rng(0xf8b7ull);
@@ -154,9 +155,12 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
       for (int64_t c = 0; c < cols; ++c) {
         float& v = w[size_t((p * rows + r) * cols + c)];
         const int64_t block = (p * row_blocks + r / 128) * col_blocks + c / 128;
-        v = block == 5 ? 0.0f : round_to_bf16(std::ldexp(v, int(block * 7 % 81) - 40));
+        const int shift = block == 45 || block == 54 ? -10 : int(block * 7 % 81) - 40;
+        v = block == 5 ? 0.0f : round_to_bf16(std::ldexp(v, shift));
       }
-  w[size_t((1 * rows + 299) * cols + 3)] = 3.0e4f;  // plane 1, last (partial) row block
+  // Plane 1, row 299 (row block 2, partial), column 3: block (1 * 3 + 2) * 9 + 0 = 45.
+  w[size_t((1 * rows + 299) * cols + 3)] = 30720.0f;  // 1.875 * 2^14: exact in bf16
+  // Plane 2, rows 0 and 1: block (2 * 3 + 0) * 9 + 0 = 54.
   w[size_t((2 * rows + 0) * cols + 1)] = 448.0f;
   w[size_t((2 * rows + 1) * cols + 2)] = -448.0f;
   w[size_t((0 * rows + 7) * cols + 9)] = -0.0f;
@@ -168,6 +172,8 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
     want_scales.insert(want_scales.end(), q.scales.begin(), q.scales.end());
   }
   ASSERT_EQ(int64_t(want_scales.size()), planes * row_blocks * col_blocks);
+  ASSERT_EQ(want_scales[45], 128.0f);  // the placed values decide their blocks' scales
+  ASSERT_EQ(want_scales[54], 1.0f);
 
   DeviceBuffer<uint16_t> dw(w.size());
   DeviceBuffer<uint8_t> dcodes(want_codes.size());
