@@ -38,8 +38,9 @@ inline std::string trimmed(std::string s) {
   return s;
 }
 
-inline detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
-  return {detail::make_store_tma(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
+template <int kRows = 128>
+inline detail::StoreTensorOf<kRows> store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
+  return {detail::make_store_tma<kRows>(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
 }
 
 // ---- The backward's GEMMs, for the stage kernels and the backward megakernel alike ----

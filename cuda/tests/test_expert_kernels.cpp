@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -117,6 +118,23 @@ TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
       EXPECT_EQ(first_bit_difference(h, first_h), -1) << "h differs in run " << run;
       EXPECT_EQ(first_bit_difference(y, first_y), -1) << "y differs in run " << run;
     }
+  }
+  // The ping-pong schedule (one warpgroup per 64-row tile) reduces every output in the same k
+  // order: the same bits, twice.
+  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  for (int run = 0; run < 2; ++run) {
+    dgu.poison();
+    dh.poison();
+    dy.poison();
+    cuda::experts_forward(a, nullptr);
+    const cudaError_t done = cudaDeviceSynchronize();
+    unsetenv("MOK_EXPERT_SCHEDULE");
+    CUDA_OK(done);
+    ASSERT_EQ(dstatus.download()[0], 0);
+    EXPECT_EQ(first_bit_difference(dgu.download(), first_gu), -1) << "ping-pong gu differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dh.download(), first_h), -1) << "ping-pong h differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dy.download(), first_y), -1) << "ping-pong y differs (run " << run << ")";
+    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
   }
 }
 
