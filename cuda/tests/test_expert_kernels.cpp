@@ -120,9 +120,11 @@ TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
     }
   }
   // The ping-pong schedule (one warpgroup per 64-row tile) reduces every output in the same k
-  // order: the same bits, twice.
+  // order: the same bits, on every SM and then on 3 CTAs (many tiles each: both warpgroups take
+  // turns many times).
   ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
   for (int run = 0; run < 2; ++run) {
+    a.num_sms = run == 0 ? 0 : 3;
     dgu.poison();
     dh.poison();
     dy.poison();

@@ -7,8 +7,11 @@
 // shared by all roles -> one branch per role.
 //   warpgroup 0: producer (one elected thread issues the TMA loads of every tile in order)
 //   warpgroups 1, 2: consumers; warpgroup 1 + c computes the CTA's tiles j with j % 2 == c and
-//     skips the other's stages (their k-blocks) in its pipeline state. The producer's order
-//     alternates the mainloops: a tile's stages are loaded after the previous tile's.
+//     skips the other's stages (their k-blocks) in its pipeline state. The mainloops take turns:
+//     a warpgroup starts waiting on tile j's stages only after the other has waited on every
+//     stage of tile j - 1. (Without the turn, it would wait on a stage's barrier while the other
+//     still cycles it: the parity it waits for recurs every two phases, so it would pass on the
+//     other's data and release a stage twice.)
 // Same tiles, same k order per output element as the cooperative kernel: the same bits.
 #pragma once
 
@@ -29,6 +32,15 @@ using namespace cute;
 
 inline constexpr int kPingPongRows = 64;  // rows of a warpgroup's tile
 inline constexpr int kPingPongStagingElems = kPingPongRows * 64;
+// Named barriers 4 + c: warpgroup c's turn to run its mainloop (ids 2, 3 are the epilogues').
+inline constexpr int kTurnBarrier = 4;
+
+__device__ __forceinline__ void wait_turn(int c) {
+  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + c) : "memory");
+}
+__device__ __forceinline__ void give_turn(int other) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + other) : "memory");
+}
 
 template <class Mainloop>
 struct PingPongSharedStorage {
@@ -115,7 +127,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         release_state += uint32_t(t.k_end - t.k_begin);
         continue;
       }
+      if (j > 0) wait_turn(c);  // the other warpgroup gave it after tile j - 1's mainloop
       reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end);
+      if (linear + int(gridDim.x) < total) give_turn(1 - c);  // tile j + 1 is the other's
       Epilogue::apply(p.epilogue, t, acc, tCcC, wg_thread, &smem.staging[c][0][0]);
     }
     drain_stores(wg_thread);
