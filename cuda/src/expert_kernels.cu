@@ -24,6 +24,9 @@ static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::bfloat16_t>) <= 23
 static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::float_e4m3_t>) <= 232448, "shared storage exceeds 227 KiB");
 static_assert(sizeof(detail::PingPongSharedStorage<detail::ForwardMainloopOf<detail::bfloat16_t, 64>>) <= 232448,
               "shared storage exceeds 227 KiB");
+static_assert(sizeof(detail::PingPongSharedStorage<
+                  detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K, 64>>) <= 232448,
+              "shared storage exceeds 227 KiB");
 
 using host_util::bf;
 using host_util::check;
@@ -49,10 +52,10 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
-// Which schedule the forward expert GEMMs take: cooperative (two warpgroups on a 128-row tile)
-// unless MOK_EXPERT_SCHEDULE=pingpong (one warpgroup per 64-row tile, epilogues under the other's
-// mainloop). Read at each call: an experiment's switch while the two are measured.
-bool pingpong_forward() {
+// Which schedule the forward expert GEMMs and the dgrad's dh launch take: cooperative (two
+// warpgroups on a 128-row tile) unless MOK_EXPERT_SCHEDULE=pingpong (one warpgroup per 64-row
+// tile, epilogues under the other's mainloop). Read at each call: an experiment's switch while the two are measured.
+bool pingpong_schedule() {
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
   return v != nullptr && std::strcmp(v, "pingpong") == 0;
 }
@@ -165,7 +168,7 @@ void down_projection_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
 void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  if (pingpong_forward()) {
+  if (pingpong_schedule()) {
     gate_up_swiglu_rows<detail::kPingPongRows>(a, stream);
   } else {
     gate_up_swiglu_rows<GemmConfig::kBlockM>(a, stream);
@@ -175,7 +178,7 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
 void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  if (pingpong_forward()) {
+  if (pingpong_schedule()) {
     down_projection_rows<detail::kPingPongRows>(a, stream);
   } else {
     down_projection_rows<GemmConfig::kBlockM>(a, stream);
@@ -197,19 +200,32 @@ void experts_dgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   experts_dx(a, stream);
 }
 
+namespace {
+template <int kRows>
+void dh_swiglu_backward_rows(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  using Mainloop = detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K, kRows>;
+  using Epilogue = detail::SwiGluBackwardEpilogueOf<kRows>;
+  const typename Mainloop::Params m = host_util::dh_operands<kRows>(a.dy, a.w_down, R, H, I, El);
+  const detail::SwiGluBackwardParams e = host_util::swiglu_backward_target(a.dgu, a.hw, a.gu, a.h, a.row_weight,
+                                                                           a.dw_partial, I, a.swiglu_limit);
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, int(dw_partial_blocks(I)), ceil_div(H, Mainloop::kBlockK),
+                                         a.expert_offsets, a.status),
+         a.num_sms, stream);
+}
+}  // namespace
+
 void experts_dh_swiglu_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   require(a);
-  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  const int64_t R = a.row_capacity, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
-  using KMajor = host_util::BackwardK;
-  const int dw_blocks = int(dw_partial_blocks(I));
   // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
-  const KMajor::Params m = host_util::dh_operands(a.dy, a.w_down, R, H, I, El);
-  const detail::SwiGluBackwardEpilogue::Params e = host_util::swiglu_backward_target(
-      a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
-  launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
-                                                             a.expert_offsets, a.status),
-         a.num_sms, stream);
+  if (pingpong_schedule()) {
+    dh_swiglu_backward_rows<detail::kPingPongRows>(a, stream);
+  } else {
+    dh_swiglu_backward_rows<GemmConfig::kBlockM>(a, stream);
+  }
+  const int dw_blocks = int(dw_partial_blocks(I));
   reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
                                                           a.d_row_weight);
   check(cudaGetLastError(), "launch reduce_row_partials");
@@ -278,6 +294,11 @@ void preload_expert_kernels() {
             &attr, detail::pingpong_gemm_kernel<PingPongMainloop, detail::StoreEpilogueOf<detail::kPingPongRows>>),
         what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::SwiGluBackwardEpilogue>), what);
+  check(cudaFuncGetAttributes(
+            &attr, detail::pingpong_gemm_kernel<detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K,
+                                                                           detail::kPingPongRows>,
+                                                detail::SwiGluBackwardEpilogueOf<detail::kPingPongRows>>),
+        what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesEpilogue>), what);

@@ -32,8 +32,10 @@ template <int kRows>
 using SmemLayoutEpilogueOf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, EpilogueTileShapeOf<kRows>{}));
 using EpilogueTileShape = EpilogueTileShapeOf<128>;
 using SmemLayoutEpilogue = SmemLayoutEpilogueOf<128>;
+template <int kRows>
+using SmemLayoutEpilogueF32Of = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kRows>, _32>{}));
 using EpilogueTileShapeF32 = Shape<_128, _32>;
-using SmemLayoutEpilogueF32 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, EpilogueTileShapeF32{}));
+using SmemLayoutEpilogueF32 = SmemLayoutEpilogueF32Of<128>;
 inline constexpr int kEpilogueThreads = 256;
 // Two staging tiles: chunk k is written into tile k % 2 while the bulk store of chunk k-1 drains.
 // Every epilogue stores an even number of chunks per tile, so each tile starts at staging tile 0.
@@ -270,19 +272,24 @@ using StoreBf16PlanesEpilogue = StorePlanesEpilogue<StoreTensor>;
 // segment per thread (row = thread/2, 16 columns), so g, u, h are read and dg, du, hw written with
 // 16-byte vectors; doing the math in the accumulator's own layout needs more registers than a
 // consumer thread has.
-struct SwiGluBackwardEpilogue {
-  struct Params {
-    __nv_bfloat16* dgu;       // [rows, 2I] out: dg | du
-    __nv_bfloat16* hw;        // [rows, I] out
-    const __nv_bfloat16* gu;  // [rows, 2I]
-    const __nv_bfloat16* h;   // [rows, I]
-    const float* row_weight;  // [rows]
-    float* dw_partial;        // [rows, n_blocks]
-    int n_blocks;
-    int intermediate;
-    bool has_limit;
-    float limit;
-  };
+struct SwiGluBackwardParams {
+  __nv_bfloat16* dgu;       // [rows, 2I] out: dg | du
+  __nv_bfloat16* hw;        // [rows, I] out
+  const __nv_bfloat16* gu;  // [rows, 2I]
+  const __nv_bfloat16* h;   // [rows, I]
+  const float* row_weight;  // [rows]
+  float* dw_partial;        // [rows, n_blocks]
+  int n_blocks;
+  int intermediate;
+  bool has_limit;
+  float limit;
+};
+
+// kRows: the tile's rows (128: both consumer warpgroups, 256 threads; 64: one warpgroup,
+// ping-pong). Either way a thread takes half a row (row = thread / 2).
+template <int kRows>
+struct SwiGluBackwardEpilogueOf {
+  using Params = SwiGluBackwardParams;
 
   // One 8-column vector of a row: dg, du, hw from dh, and the dh*h partial sum in column order.
   static __device__ __forceinline__ void vector8(const Params& p, int64_t row, int64_t col, float w,
@@ -350,8 +357,8 @@ struct SwiGluBackwardEpilogue {
                                                          float partial) {
     CUTE_UNROLL
     for (int b = 0; b < 2; ++b) {
-      Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kStagingElems)),
-                              SmemLayoutEpilogueF32{});
+      Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kRows * 64)),
+                              SmemLayoutEpilogueF32Of<kRows>{});
       CUTE_UNROLL
       for (int v = 0; v < 2; ++v) {
         const int64_t col = col0 + 32 * b + 8 * v;
@@ -370,18 +377,18 @@ struct SwiGluBackwardEpilogue {
     static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
     const int seg_row = thread / 2;          // this thread's row of the tile
     const int seg_col = (thread % 2) * 16;   // and its 16 columns of each 32-column chunk
-    const int64_t row = int64_t(t.m_block) * 128 + seg_row;
+    const int64_t row = int64_t(t.m_block) * kRows + seg_row;
     const float w = p.row_weight[row];
     float partial = 0.0f;
     // Two 32-column chunks per round, one per staging tile: the accumulator values of a round are
     // dead once written, which keeps the thread under its register budget.
     static_for<4>([&](auto round_) {
       constexpr int round = decltype(round_)::value;
-      consumers_sync();  // every thread is done reading the staging tiles of the previous round
+      epilogue_sync<kRows>();  // every thread is done reading the staging tiles of the previous round
       static_for<2>([&](auto b_) {
         constexpr int c = 2 * round + decltype(b_)::value;
-        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + decltype(b_)::value * kStagingElems)),
-                                SmemLayoutEpilogueF32{});  // (128, 32) fp32
+        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + decltype(b_)::value * kRows * 64)),
+                                SmemLayoutEpilogueF32Of<kRows>{});  // (kRows, 32) fp32
         static_for<8>([&](auto j) {
           constexpr int i = 16 * c + 2 * decltype(j)::value;
           const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 32 * c;
@@ -391,7 +398,7 @@ struct SwiGluBackwardEpilogue {
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
         });
       });
-      consumers_sync();
+      epilogue_sync<kRows>();
       partial = read_back_round(p, staging, row, int64_t(t.n_block) * 256 + 64 * round + seg_col, seg_row, seg_col, w,
                                 partial);
     });
@@ -400,5 +407,6 @@ struct SwiGluBackwardEpilogue {
     if (thread % 2 == 0) p.dw_partial[row * p.n_blocks + t.n_block] = __fadd_rn(partial, other);
   }
 };
+using SwiGluBackwardEpilogue = SwiGluBackwardEpilogueOf<128>;
 
 }  // namespace mok::cuda::detail

@@ -104,18 +104,21 @@ struct ForwardMainloopOf {
 };
 using ForwardMainloop = ForwardMainloopOf<bfloat16_t>;
 
-template <class Element_, GMMA::Major kMajorA_>
+// kRowsA: the rows of an A tile (128; 64 for the ping-pong kernel).
+template <class Element_, GMMA::Major kMajorA_, int kRowsA = GemmConfig::kBlockM>
 struct BackwardMainloopOf {
   static_assert(sizeof(Element_) == 2, "B is MN-major, which only 16-bit wgmma reads");
   using Element = Element_;
   using Operand = OperandConfig<Element>;
   static constexpr int kBlockK = Operand::kBlockK;
-  static constexpr int kRows = GemmConfig::kBlockM;
+  static constexpr int kRows = kRowsA;
+  static constexpr int kStageElemsA = kRowsA * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + Operand::kStageElemsB) * sizeof(Element);
   static constexpr GMMA::Major kMajorA = kMajorA_;
   static constexpr GMMA::Major kMajorB = GMMA::Major::MN;
-  using SmemLayoutA = OperandSmemLayout<Element, kMajorA_, GemmConfig::kBlockM>;
+  using SmemLayoutA = OperandSmemLayout<Element, kMajorA_, kRowsA>;
   using SmemLayoutB = OperandSmemLayout<Element, GMMA::Major::MN, GemmConfig::kBlockN>;
-  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<kBlockK>>;
+  using TileA = Shape<Int<kRowsA>, Int<kBlockK>>;
   using TileB = Shape<Int<GemmConfig::kBlockN>, Int<kBlockK>>;
 
   // A as (M, K, planes): K-major rows (stride (row_stride, 1, plane_stride)) or MN-major
