@@ -96,6 +96,91 @@ TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
   EXPECT_EQ(dstatus.download()[0], 0);
 }
 
+TEST(Precision, Fp8BlockScaledGroupedGemmMatchesTheCpuOracle) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // k and n past a whole number of 128-blocks (partial last scale blocks), an empty expert, rows
+  // not a multiple of 128; activations whose magnitude changes along k (each k-block its own
+  // scale) and from row to row, weights per expert and block.
+  const int k = 128 * 3 + 64, n = 128 * 2 + 40;
+  const std::vector<int> real_rows{130, 0, 300};
+  std::vector<int32_t> offsets{0};
+  for (int r : real_rows) offsets.push_back(offsets.back() + (r + 127) / 128 * 128);
+  const int experts = static_cast<int>(real_rows.size());
+  const int used = offsets.back(), capacity = used + 128;
+  const int kbs = (k + 127) / 128, nbs = (n + 127) / 128;
+
+  Rng rng(0xf8c9ull);
+  std::vector<float> x(size_t(capacity) * k, 0.0f), w(size_t(experts) * n * k);
+  for (int e = 0; e < experts; ++e)
+    for (int r = offsets[e]; r < offsets[e] + real_rows[e]; ++r)
+      for (int c = 0; c < k; ++c)
+        x[size_t(r) * k + c] = round_to_bf16(std::ldexp(float(rng.normal()), (r % 7) - 3 + 2 * (c / 128)));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = round_to_bf16(std::ldexp(float(rng.normal()), -6 + int(i % 5)));
+  // The oracle: the quantized operands and their block-scaled product, per expert segment.
+  const fp8::Quantized xq = fp8::quantize_activations(x.data(), capacity, k);
+  std::vector<uint8_t> wcodes;
+  std::vector<float> wscales;  // [experts, nbs, kbs]
+  std::vector<float> ref(size_t(used) * n, 0.0f);
+  for (int e = 0; e < experts; ++e) {
+    const fp8::Quantized wq = fp8::quantize_weights(w.data() + size_t(e) * n * k, n, k);
+    wcodes.insert(wcodes.end(), wq.codes.begin(), wq.codes.end());
+    wscales.insert(wscales.end(), wq.scales.begin(), wq.scales.end());
+    const int rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    fp8::Quantized seg = xq;  // the segment's rows of x, with their scales
+    seg.rows = rows;
+    seg.codes.assign(xq.codes.begin() + size_t(offsets[e]) * k, xq.codes.begin() + size_t(offsets[e + 1]) * k);
+    seg.scales.assign(xq.scales.begin() + size_t(offsets[e]) * kbs, xq.scales.begin() + size_t(offsets[e + 1]) * kbs);
+    fp8::gemm_nt(seg, wq, ref.data() + size_t(offsets[e]) * n);
+  }
+  std::vector<float> xscales_t(size_t(kbs) * capacity);  // k-block major, as the kernel reads them
+  for (int r = 0; r < capacity; ++r)
+    for (int b = 0; b < kbs; ++b) xscales_t[size_t(b) * capacity + r] = xq.scales[size_t(r) * kbs + b];
+  ASSERT_EQ(int(wscales.size()), experts * nbs * kbs);
+
+  DeviceBuffer<uint8_t> da(xq.codes.size()), db(wcodes.size());
+  DeviceBuffer<float> dsa(xscales_t.size()), dsb(wscales.size());
+  DeviceBuffer<uint16_t> dout(size_t(capacity) * n);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  ASSERT_NE(da.ptr, nullptr);
+  da.upload(xq.codes);
+  db.upload(wcodes);
+  dsa.upload(xscales_t);
+  dsb.upload(wscales);
+  doff.upload(offsets);
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  std::vector<uint16_t> first;
+  for (int run = 0; run < 3; ++run) {
+    dout.poison();
+    test::fp8_scaled_grouped_gemm(da.ptr, dsa.ptr, db.ptr, dsb.ptr, dout.ptr, doff.ptr, capacity, k, n, experts,
+                                  dstatus.ptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> bits = dout.download();
+    if (run == 0) {
+      const std::vector<float> out = from_bits(bits);
+      double err = 0.0, norm = 0.0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(out[i])) << "row " << i / n << " column " << i % n;
+        err += double(out[i] - ref[i]) * (out[i] - ref[i]);
+        norm += double(ref[i]) * ref[i];
+      }
+      const double rel = std::sqrt(err / norm);
+      std::printf("[ fp8 block-scaled ] rel error %.2e against the oracle\n", rel);
+      EXPECT_LT(rel, 4e-3);  // bf16 rounding of the output; within a k-block the sums are near exact
+      for (int r = used; r < capacity; ++r)  // past the last expert: never written
+        for (int j = 0; j < n; ++j) ASSERT_EQ(bits[size_t(r) * n + j], 0xffff) << "row " << r;
+      first = bits;
+    } else {
+      ASSERT_EQ(bits, first) << "run " << run << " differs from run 0";
+    }
+  }
+  EXPECT_EQ(dstatus.download()[0], 0);
+  EXPECT_THROW(test::fp8_scaled_grouped_gemm(da.ptr, nullptr, db.ptr, dsb.ptr, dout.ptr, doff.ptr, capacity, k, n,
+                                             experts, dstatus.ptr, nullptr),
+               std::invalid_argument);
+}
+
 TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
