@@ -238,7 +238,7 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   a.status = dstatus.ptr;
   ASSERT_EQ(cuda::can_implement(a), "");
 
-  std::vector<uint16_t> first_dx;
+  std::vector<uint16_t> first_dx, first_dgu, first_hw;
   std::vector<float> first_dw, first_g, first_u, first_d;
   for (int run = 0; run < 5; ++run) {
     ddx.poison();
@@ -277,6 +277,8 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
         }
       }
       first_dx = std::move(dx);
+      first_dgu = dgu.download();  // the dh launch's own outputs, for the ping-pong runs below
+      first_hw = dhw.download();
       first_dw = std::move(dw);
       first_g = std::move(g);
       first_u = std::move(u);
@@ -307,6 +309,8 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     unsetenv("MOK_EXPERT_SCHEDULE");
     CUDA_OK(done);
     ASSERT_EQ(dstatus.download()[0], 0);
+    EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "ping-pong dg|du differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "ping-pong w*h differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "ping-pong dx differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "ping-pong d_row_weight differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "ping-pong dW_gate differs (run " << run << ")";

@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       clear(acc);  // an expert's k-blocks always exist (k >= 1): every tile reduces at least one
       const float* sb = p.b_scales + (int64_t(t.expert) * p.n_blocks + t.n_block) * p.k_blocks;
       for (int kb = t.k_begin; kb < t.k_end; ++kb) {
+        const float b_scale = __ldg(sb + kb);  // read before the wait: off the path every k-block waits on
         pipeline.consumer_wait(state);
         const int s = state.index();
         warpgroup_fence_operand(tmp);
@@ -174,7 +175,6 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tmp);
-        const float b_scale = sb[kb];
         const float s0 = smem.a_scales[s][r0] * b_scale, s1 = smem.a_scales[s][r0 + 8] * b_scale;
         pipeline.consumer_release(state);  // the scales and operands of stage s are read
         ++state;
