@@ -35,10 +35,11 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -100,12 +101,19 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3, device: torch.device | None = None) -> float:
     """Median of per-call times, the calls enqueued back to back (one synchronization at the end,
     as bench.runtime's timer): the host's launch overhead overlaps the previous call instead of
-    being timed on an idle GPU."""
+    being timed on an idle GPU. On the CPU (the plumbing test), wall-clock per call."""
     for _ in range(warmup):
         fn()
+    if device is not None and device.type == "cpu":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     events = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -123,14 +131,19 @@ def dense_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2.0 * n**3 / (median_ms(lambda: a @ b, iters) * 1e-3) / 1e12
 
 
-def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float) -> list[Row]:
-    from mok import _cuda_kernels as k
+def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float,
+              kernels: Any = None, device: str = "cuda") -> list[Row]:
+    """Every step of one shape: checked, then timed. ``kernels`` is mok._cuda_kernels (the default);
+    the CPU plumbing test passes a torch stand-in with the same calls."""
+    if kernels is None:
+        from mok import _cuda_kernels as kernels
+    k = kernels
 
     p = get_preset(preset_name)
     El, H, I = max(1, p.E // 8), p.H, p.I
     counts = balanced_counts(El, rows_per_expert)
     M = sum(counts)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(zlib.crc32(f"{preset_name} {rows_per_expert}".encode()))
     bf = torch.bfloat16
 
@@ -220,7 +233,8 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     mok_wgrad()
     t_wgu, t_wd = torch_wgrad()
     err_wgrad = max(rel_error(d_w[0], t_wgu[:, :I]), rel_error(d_w[1], t_wgu[:, I:]), rel_error(d_w[2], t_wd))
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     if int(status.item()) != 0:
         raise RuntimeError(f"{preset_name} {rows_per_expert}: MoK's status word is {int(status.item())}")
     # dgrad is its two launches, dh_act and dx; dgrad_act times the same MoK call as dgrad.
@@ -238,8 +252,8 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
         # Interleaved twice: the power cap moves the clocks between measurements.
         mok_times, torch_times = [], []
         for _ in range(2):
-            mok_times.append(median_ms(ours, iters))
-            torch_times.append(median_ms(theirs, iters))
+            mok_times.append(median_ms(ours, iters, device=dev))
+            torch_times.append(median_ms(theirs, iters, device=dev))
         out.append(Row(preset_name, El, rows_per_expert, step, min(mok_times), min(torch_times),
                        step_flops(step, M, H, I), errors[step], dense))
     return out

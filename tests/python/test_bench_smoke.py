@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,3 +222,68 @@ def test_gemm_benchmark_says_it_needs_a_gpu(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.gemms", "--out", str(tmp_path / "g.md")], env=env,
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
+
+
+class _TorchStandIn:
+    """mok._cuda_kernels' expert calls as used by bench.gemms, in plain torch on the CPU: what lets
+    the benchmark's plumbing and checks run without a GPU (its MoK rows then time this, not MoK)."""
+
+    def __init__(self, h_factor: float = 1.0) -> None:
+        self.h_factor = h_factor  # != 1: a wrong SwiGLU output, which the checks must catch
+
+    class BackwardScratch:
+        def __init__(self, rows: int, intermediate: int, device: torch.device) -> None:
+            self.dgu = torch.empty(rows, 2 * intermediate, dtype=torch.bfloat16, device=device)
+            self.hw = torch.empty(rows, intermediate, dtype=torch.bfloat16, device=device)
+
+    @staticmethod
+    def _segments(offsets):
+        o = offsets.tolist()
+        return [(e, o[e], o[e + 1]) for e in range(len(o) - 1)]
+
+    def experts_forward(self, x, offsets, w_gate, w_up, w_down, *, h, y, gu, swiglu_limit, status, which):
+        from mok import testing
+
+        I = w_gate.shape[1]
+        for e, a, b in self._segments(offsets):
+            if which in (0, 1):
+                g, u = x[a:b].float() @ w_gate[e].float().t(), x[a:b].float() @ w_up[e].float().t()
+                gu[a:b] = torch.cat([g, u], dim=1).to(gu.dtype)
+                h[a:b] = (testing.swiglu(g, u, swiglu_limit) * self.h_factor).to(h.dtype)
+            if which in (0, 2):
+                y[a:b] = (h[a:b].float() @ w_down[e].float().t()).to(y.dtype)
+        assert gu.shape[1] == 2 * I
+
+    def experts_backward(self, x, offsets, gu, h, dy, row_weight, w_gate, w_up, w_down, *, dx, d_row_weight,
+                         d_w_gate, d_w_up, d_w_down, scratch, swiglu_limit, status, which):
+        from mok import testing
+
+        I = w_gate.shape[1]
+        for e, a, b in self._segments(offsets):
+            w = row_weight[a:b].unsqueeze(1)
+            if which in (0, 1, 3):
+                dh = dy[a:b].float() @ w_down[e].float()
+                dg, du = testing.swiglu_backward(gu[a:b, :I].float(), gu[a:b, I:].float(), w * dh, swiglu_limit)
+                scratch.dgu[a:b] = torch.cat([dg, du], dim=1).to(scratch.dgu.dtype)
+                scratch.hw[a:b] = (w * h[a:b].float()).to(scratch.hw.dtype)
+                d_row_weight[a:b] = (dh * h[a:b].float()).sum(dim=1)
+            if which in (0, 1, 4):
+                w_gu = torch.cat([w_gate[e], w_up[e]], dim=0).float()
+                dx[a:b] = (scratch.dgu[a:b].float() @ w_gu).to(dx.dtype)
+            if which in (0, 2):
+                d_w_gate[e] = (scratch.dgu[a:b, :I].float().t() @ x[a:b].float()).to(d_w_gate.dtype)
+                d_w_up[e] = (scratch.dgu[a:b, I:].float().t() @ x[a:b].float()).to(d_w_up.dtype)
+                d_w_down[e] = (dy[a:b].float().t() @ scratch.hw[a:b].float()).to(d_w_down.dtype)
+
+
+def test_gemm_benchmark_checks_and_times_every_step_on_the_cpu() -> None:
+    from bench import gemms
+
+    rows = gemms.run_shape("tiny", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_TorchStandIn(), device="cpu")
+    assert [r.step for r in rows] == list(gemms.STEPS)
+    for r in rows:
+        assert r.rel_error <= 0.02 and r.mok_ms > 0 and r.torch_ms > 0, r
+    # A wrong SwiGLU output is caught at its step, before anything is timed.
+    with pytest.raises(RuntimeError, match="gate_up: MoK differs from torch"):
+        gemms.run_shape("tiny", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_TorchStandIn(h_factor=1.1),
+                        device="cpu")
