@@ -190,16 +190,7 @@ void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
   down_projection(a, stream);
 }
 
-void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  experts_dgrad(a, stream);
-  experts_wgrad(a, stream);
-}
-
-void experts_dgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  experts_dh_swiglu_backward(a, stream);
-  experts_dx(a, stream);
-}
-
+// The backward's launches, each public entry point checking its arguments once before them.
 namespace {
 template <int kRows>
 void dh_swiglu_backward_rows(const ExpertsBackwardArgs& a, cudaStream_t stream) {
@@ -213,10 +204,8 @@ void dh_swiglu_backward_rows(const ExpertsBackwardArgs& a, cudaStream_t stream) 
                                          a.expert_offsets, a.status),
          a.num_sms, stream);
 }
-}  // namespace
 
-void experts_dh_swiglu_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  require(a);
+void dh_swiglu_backward_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
   // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
@@ -231,8 +220,7 @@ void experts_dh_swiglu_backward(const ExpertsBackwardArgs& a, cudaStream_t strea
   check(cudaGetLastError(), "launch reduce_row_partials");
 }
 
-void experts_dx(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  require(a);
+void dx_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
   using KMajor = host_util::BackwardK;
@@ -244,8 +232,7 @@ void experts_dx(const ExpertsBackwardArgs& a, cudaStream_t stream) {
          a.num_sms, stream);
 }
 
-void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  require(a);
+void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   using MnMajor = host_util::BackwardMN;
   // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
@@ -277,6 +264,35 @@ void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   wgrad(a.dgu, I, 2 * I, a.x, H, a.d_w_gate);
   wgrad(bf(a.dgu) + I, I, 2 * I, a.x, H, a.d_w_up);
   wgrad(a.dy, H, H, a.hw, I, a.d_w_down);
+}
+}  // namespace
+
+void experts_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  dh_swiglu_backward_launch(a, stream);
+  dx_launch(a, stream);
+  wgrad_launch(a, stream);
+}
+
+void experts_dgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  dh_swiglu_backward_launch(a, stream);
+  dx_launch(a, stream);
+}
+
+void experts_dh_swiglu_backward(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  dh_swiglu_backward_launch(a, stream);
+}
+
+void experts_dx(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  dx_launch(a, stream);
+}
+
+void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  require(a);
+  wgrad_launch(a, stream);
 }
 
 void preload_expert_kernels() {

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "mok/core/symmetric_layout.h"
+#include "mok/cuda/detail/call_status.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
 #include "mok/cuda/routing.h"
 
@@ -106,10 +107,7 @@ __device__ __forceinline__ void record_give_up(const WaitStatus& s, int32_t code
 }
 // Another wait of this call gave up (a failure of an earlier call does not end this call's waits
 // early, so a failed rank still meets the others at the barriers).
-__device__ __forceinline__ bool waits_abandoned(const WaitStatus& s) {
-  const volatile int32_t* w = s.words;
-  return w[0] != 0 && uint32_t(w[4]) == s.epoch;
-}
+__device__ __forceinline__ bool waits_abandoned(const WaitStatus& s) { return call_given_up(s.words, s.epoch); }
 
 // Spins until *p >= target; false when it gave up (it timed out, or another wait did).
 template <bool kSystem>

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "mok/cuda/detail/call_status.cuh"
 #include "mok/cuda/routing.h"
 
 namespace mok::cuda::detail {
@@ -28,10 +29,7 @@ struct ScheduleRows {
 
 // Rows [0, offsets[El]) of the schedule, never past its capacity; none when the call was given up.
 __device__ __forceinline__ int scheduled_rows(const ScheduleRows& s) {
-  if (s.given_up_words != nullptr) {
-    const volatile int32_t* w = s.given_up_words;
-    if (w[0] != 0 && uint32_t(w[4]) == s.given_up_epoch) return 0;
-  }
+  if (s.given_up_words != nullptr && call_given_up(s.given_up_words, s.given_up_epoch)) return 0;
   return max(0, min(s.expert_offsets[s.local_experts], s.row_capacity));
 }
 

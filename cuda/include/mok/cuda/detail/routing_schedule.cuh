@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "mok/cuda/detail/call_status.cuh"
 #include "mok/cuda/routing.h"
 
 namespace mok::cuda::detail {
@@ -47,9 +48,7 @@ struct ScheduleParams {
 // The call was given up before the schedule (the start barrier found a rank making another call,
 // or timed out): read no rank's topk_idx, whose layout may not be this rank's; no rows.
 __device__ __forceinline__ bool schedule_abandoned(const ScheduleParams& p) {
-  if (p.given_up_words == nullptr) return false;
-  const volatile int32_t* w = p.given_up_words;
-  return w[0] != 0 && uint32_t(w[4]) == p.given_up_epoch;
+  return p.given_up_words != nullptr && call_given_up(p.given_up_words, p.given_up_epoch);
 }
 
 struct ChunkRange {
