@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -75,6 +76,7 @@ class Row:
     flops: float
     rel_error: float
     dense_tflops: float
+    schedule: str = "cooperative"
 
     @property
     def ratio(self) -> float:
@@ -90,7 +92,8 @@ def render(rows: list[Row], header: str) -> str:
            "| preset | El x rows | step | MoK ms | torch ms | MoK TF/s | torch TF/s | torch / MoK | MoK / dense | rel error |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r.preset} | {r.local_experts} x {r.rows_per_expert} | {r.step} | {r.mok_ms:.3f} | "
+        step = r.step if r.schedule == "cooperative" else f"{r.step} ({r.schedule})"
+        out.append(f"| {r.preset} | {r.local_experts} x {r.rows_per_expert} | {step} | {r.mok_ms:.3f} | "
                    f"{r.torch_ms:.3f} | {r.tflops(r.mok_ms):.0f} | {r.tflops(r.torch_ms):.0f} | {r.ratio:.2f} | "
                    f"{r.tflops(r.mok_ms) / r.dense_tflops:.0%} | {r.rel_error:.1e} |")
     return "\n".join(out) + "\n"
@@ -132,7 +135,8 @@ def dense_tflops(n: int = 8192, iters: int = 20) -> float:
 
 
 def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float,
-              kernels: Any = None, device: str = "cuda") -> list[Row]:
+              kernels: Any = None, device: str = "cuda", steps: tuple[str, ...] = STEPS,
+              schedule: str = "cooperative") -> list[Row]:
     """Every step of one shape: checked, then timed. ``kernels`` is mok._cuda_kernels (the default);
     the CPU plumbing test passes a torch stand-in with the same calls."""
     if kernels is None:
@@ -244,7 +248,7 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
                  dgrad_act=(mok_dgrad, torch_dgrad_act), dh_act=(mok_dh_act, torch_dh_act), dx=(mok_dx, torch_dx),
                  wgrad=(mok_wgrad, torch_wgrad))
-    for step in STEPS:
+    for step in steps:
         if not errors[step] <= tolerance:  # NaN fails too
             raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "
                                f"(relative L2 error {errors[step]:.3e} > {tolerance})")
@@ -255,7 +259,7 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
             mok_times.append(median_ms(ours, iters, device=dev))
             torch_times.append(median_ms(theirs, iters, device=dev))
         out.append(Row(preset_name, El, rows_per_expert, step, min(mok_times), min(torch_times),
-                       step_flops(step, M, H, I), errors[step], dense))
+                       step_flops(step, M, H, I), errors[step], dense, schedule))
     return out
 
 
@@ -264,21 +268,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--rows", default="512,1024,4096", help="rows per expert (multiples of 128)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--steps", default=",".join(STEPS), help="which of " + ",".join(STEPS))
+    ap.add_argument("--schedules", default="cooperative",
+                    help="the expert kernels' schedules to time, one after the other on each shape (MOK_EXPERT_SCHEDULE: "
+                         "cooperative, pingpong); torch is timed again beside each")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
     ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gemms needs a GPU (the MoK kernels are sm_90a)", file=sys.stderr)
         return 2
+    steps = tuple(args.steps.split(","))
+    schedules = args.schedules.split(",")
+    unknown = [s for s in steps if s not in STEPS] + [s for s in schedules if s not in ("cooperative", "pingpong")]
+    if unknown:
+        ap.error(f"unknown step or schedule: {', '.join(unknown)}")
     dense = dense_tflops()
     rows: list[Row] = []
     for rpe in (int(r) for r in args.rows.split(",")):
         for preset in args.presets.split(","):
-            for row in run_shape(preset, rpe, dense, args.iters, args.tolerance):
-                rows.append(row)
-                print(f"{row.preset:16s} {row.local_experts:3d} x {row.rows_per_expert:5d} {row.step:8s} "
-                      f"mok {row.mok_ms:8.3f} ms  torch {row.torch_ms:8.3f} ms  torch/mok {row.ratio:5.2f}  "
-                      f"mok {row.tflops(row.mok_ms):5.0f} TF/s ({row.tflops(row.mok_ms) / dense:.0%} of dense)", flush=True)
+            for schedule in schedules:
+                # The launchers read MOK_EXPERT_SCHEDULE on every call.
+                os.environ["MOK_EXPERT_SCHEDULE"] = schedule
+                shape_rows = run_shape(preset, rpe, dense, args.iters, args.tolerance, steps=steps, schedule=schedule)
+                for row in shape_rows:
+                    rows.append(row)
+                    print(f"{row.preset:16s} {row.local_experts:3d} x {row.rows_per_expert:5d} {row.step:8s} {row.schedule:11s} "
+                          f"mok {row.mok_ms:8.3f} ms  torch {row.torch_ms:8.3f} ms  torch/mok {row.ratio:5.2f}  "
+                          f"mok {row.tflops(row.mok_ms):5.0f} TF/s ({row.tflops(row.mok_ms) / dense:.0%} of dense)", flush=True)
     header = (f"# Expert GEMMs, MoK against torch._grouped_mm ({torch.cuda.get_device_name()}, torch {torch.__version__})\n\n"
               f"Dense bf16 rate measured in the same run: {dense:.0f} TF/s. Balanced rows; each time is the lower of two "
               f"interleaved medians of {args.iters} iterations; outputs checked against torch first.")

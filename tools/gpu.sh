@@ -3,7 +3,7 @@
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
 # a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
-# Env: MOK_GTEST_FILTER, MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
+# Env: MOK_GTEST_FILTER, MOK_SANITIZE_FILTER (the GPU tests run under compute-sanitizer), MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
@@ -150,7 +150,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     if timeout --kill-after=10 "$(left 180)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/cuda/mok_cuda_tests" \
-         --gtest_filter='*Megakernel*R1_balanced*:*MegakernelBackward*R1_zipf*:*small_balanced*:*BadOffsets*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*' \
+         --gtest_filter="${MOK_SANITIZE_FILTER:-*Megakernel*R1_balanced*:*MegakernelBackward*R1_zipf*:*small_balanced*:*widths_not_multiple_of_tile*:*BadOffsets*:Precision.*:*RoutingSchedule*balanced_R2*:*RoutingScheduleStatus*:*RoutingRows*one_token*:*RoutingEpilogues*k4_shared*}" \
          > "$LOGS/sanitize_$tool.log" 2>&1 &&
        timeout --kill-after=10 "$(left 120)" compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/mok" run --backend cuda --preset tiny --ranks 2 \
          --tokens 130 --runs 1 --fused off >> "$LOGS/sanitize_$tool.log" 2>&1 &&

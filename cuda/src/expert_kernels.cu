@@ -3,12 +3,16 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "mok/cuda/detail/expert_epilogues.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
+#include "mok/cuda/detail/pingpong_gemm_kernel.cuh"
 #include "launch_util.h"
 
 namespace mok::cuda {
@@ -18,6 +22,11 @@ using detail::GemmConfig;
 // sm_90's largest opt-in shared memory per block: 227 KiB.
 static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::bfloat16_t>) <= 232448, "shared storage exceeds 227 KiB");
 static_assert(sizeof(detail::GroupedGemmSharedStorage<detail::float_e4m3_t>) <= 232448, "shared storage exceeds 227 KiB");
+static_assert(sizeof(detail::PingPongSharedStorage<detail::ForwardMainloopOf<detail::bfloat16_t, 64>>) <= 232448,
+              "shared storage exceeds 227 KiB");
+static_assert(sizeof(detail::PingPongSharedStorage<
+                  detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K, 64>>) <= 232448,
+              "shared storage exceeds 227 KiB");
 
 using host_util::bf;
 using host_util::check;
@@ -28,11 +37,27 @@ using host_util::trimmed;
 
 template <class Mainloop, class Epilogue>
 void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num_sms, cudaStream_t stream) {
-  auto kernel = detail::grouped_gemm_kernel<Mainloop, Epilogue>;
-  const int smem = static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<typename Mainloop::Element>));
+  // A 64-row mainloop is the ping-pong kernel's (grouped rows only).
+  auto [kernel, smem] = [] {
+    if constexpr (Mainloop::kRows == detail::kPingPongRows) {
+      return std::make_pair(detail::pingpong_gemm_kernel<Mainloop, Epilogue>,
+                            int(sizeof(detail::PingPongSharedStorage<Mainloop>)));
+    } else {
+      return std::make_pair(detail::grouped_gemm_kernel<Mainloop, Epilogue>,
+                            int(sizeof(detail::GroupedGemmSharedStorage<typename Mainloop::Element>)));
+    }
+  }();
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
   kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(params);
   check(cudaGetLastError(), "launch grouped GEMM");
+}
+
+// Which schedule the forward expert GEMMs and the dgrad's dh launch take: cooperative (two
+// warpgroups on a 128-row tile) unless MOK_EXPERT_SCHEDULE=pingpong (one warpgroup per 64-row
+// tile, epilogues under the other's mainloop). Read at each call: an experiment's switch while the two are measured.
+bool pingpong_schedule() {
+  const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
+  return v != nullptr && std::strcmp(v, "pingpong") == 0;
 }
 
 template <class Mainloop, class Epilogue>
@@ -104,37 +129,60 @@ void require(const Args& a) {
 }
 }  // namespace
 
-void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
-  require(a);
-  if (a.row_capacity == 0) return;
-  using Mainloop = detail::ForwardMainloop;
-  using Epilogue = detail::SwiGluEpilogue;
+namespace {
+template <int kRows>
+void gate_up_swiglu_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
+  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows>;
+  using Epilogue = detail::SwiGluEpilogueOf<kRows>;
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  const Mainloop::Params m{Mainloop::make_a(bf(a.x), int(R), int(H)), Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
-                           Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(R), int(H), int(I), int(El),
-                           /*b1_row_shift=*/0};
+  const typename Mainloop::Params m{Mainloop::make_a(bf(a.x), int(R), int(H)),
+                                    Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
+                                    Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(R), int(H), int(I),
+                                    int(El), /*b1_row_shift=*/0};
   void* gu = a.gu != nullptr ? a.gu : a.h;  // a valid pointer for the unused descriptors
-  const Epilogue::Params e{store_target(a.h, R, I, I), store_target(gu, R, I, 2 * I),
-                           store_target(a.gu != nullptr ? static_cast<void*>(bf(a.gu) + I) : a.h, R, I, 2 * I),
-                           a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  const typename Epilogue::Params e{store_target<kRows>(a.h, R, I, I), store_target<kRows>(gu, R, I, 2 * I),
+                                    store_target<kRows>(a.gu != nullptr ? static_cast<void*>(bf(a.gu) + I) : a.h, R,
+                                                        I, 2 * I),
+                                    a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
   launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(I, GemmConfig::kHalfN), ceil_div(H, Mainloop::kBlockK),
                                          a.expert_offsets, a.status),
          a.num_sms, stream);
 }
 
-void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
-  require(a);
-  if (a.row_capacity == 0) return;
-  using Mainloop = detail::ForwardMainloop;
-  using Epilogue = detail::StoreEpilogue;
+template <int kRows>
+void down_projection_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
+  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows>;
+  using Epilogue = detail::StoreEpilogueOf<kRows>;
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  const Mainloop::Params m{Mainloop::make_a(bf(a.h), int(R), int(I)), Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
-                           Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(R), int(I), int(H), int(El),
-                           /*b1_row_shift=*/1};
-  const Epilogue::Params e{store_target(a.y, R, H, H)};
+  const typename Mainloop::Params m{Mainloop::make_a(bf(a.h), int(R), int(I)),
+                                    Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
+                                    Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(R), int(I), int(H),
+                                    int(El), /*b1_row_shift=*/1};
+  const typename Epilogue::Params e{store_target<kRows>(a.y, R, H, H)};
   launch(rows_params<Mainloop, Epilogue>(m, e, El, R, ceil_div(H, GemmConfig::kBlockN), ceil_div(I, Mainloop::kBlockK),
                                          a.expert_offsets, a.status),
          a.num_sms, stream);
+}
+}  // namespace
+
+void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
+  require(a);
+  if (a.row_capacity == 0) return;
+  if (pingpong_schedule()) {
+    gate_up_swiglu_rows<detail::kPingPongRows>(a, stream);
+  } else {
+    gate_up_swiglu_rows<GemmConfig::kBlockM>(a, stream);
+  }
+}
+
+void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
+  require(a);
+  if (a.row_capacity == 0) return;
+  if (pingpong_schedule()) {
+    down_projection_rows<detail::kPingPongRows>(a, stream);
+  } else {
+    down_projection_rows<GemmConfig::kBlockM>(a, stream);
+  }
 }
 
 void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
@@ -144,18 +192,29 @@ void experts_forward(const ExpertsForwardArgs& a, cudaStream_t stream) {
 
 // The backward's launches, each public entry point checking its arguments once before them.
 namespace {
-void dh_swiglu_backward_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+template <int kRows>
+void dh_swiglu_backward_rows(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  if (R == 0) return;
-  using KMajor = host_util::BackwardK;
-  const int dw_blocks = int(dw_partial_blocks(I));
-  // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
-  const KMajor::Params m = host_util::dh_operands(a.dy, a.w_down, R, H, I, El);
-  const detail::SwiGluBackwardEpilogue::Params e = host_util::swiglu_backward_target(
-      a.dgu, a.hw, a.gu, a.h, a.row_weight, a.dw_partial, I, a.swiglu_limit);
-  launch(rows_params<KMajor, detail::SwiGluBackwardEpilogue>(m, e, El, R, dw_blocks, ceil_div(H, KMajor::kBlockK),
-                                                             a.expert_offsets, a.status),
+  using Mainloop = detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K, kRows>;
+  using Epilogue = detail::SwiGluBackwardEpilogueOf<kRows>;
+  const typename Mainloop::Params m = host_util::dh_operands<kRows>(a.dy, a.w_down, R, H, I, El);
+  const detail::SwiGluBackwardParams e = host_util::swiglu_backward_target(a.dgu, a.hw, a.gu, a.h, a.row_weight,
+                                                                           a.dw_partial, I, a.swiglu_limit);
+  launch(rows_params<Mainloop, Epilogue>(m, e, El, R, int(dw_partial_blocks(I)), ceil_div(H, Mainloop::kBlockK),
+                                         a.expert_offsets, a.status),
          a.num_sms, stream);
+}
+
+void dh_swiglu_backward_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  const int64_t R = a.row_capacity, I = a.intermediate, El = a.local_experts;
+  if (R == 0) return;
+  // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
+  if (pingpong_schedule()) {
+    dh_swiglu_backward_rows<detail::kPingPongRows>(a, stream);
+  } else {
+    dh_swiglu_backward_rows<GemmConfig::kBlockM>(a, stream);
+  }
+  const int dw_blocks = int(dw_partial_blocks(I));
   reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
                                                           a.d_row_weight);
   check(cudaGetLastError(), "launch reduce_row_partials");
@@ -243,7 +302,19 @@ void preload_expert_kernels() {
   const char* what = "load the expert kernels";
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::SwiGluEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::StoreEpilogue>), what);
+  using PingPongMainloop = detail::ForwardMainloopOf<detail::bfloat16_t, detail::kPingPongRows>;
+  check(cudaFuncGetAttributes(
+            &attr, detail::pingpong_gemm_kernel<PingPongMainloop, detail::SwiGluEpilogueOf<detail::kPingPongRows>>),
+        what);
+  check(cudaFuncGetAttributes(
+            &attr, detail::pingpong_gemm_kernel<PingPongMainloop, detail::StoreEpilogueOf<detail::kPingPongRows>>),
+        what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::SwiGluBackwardEpilogue>), what);
+  check(cudaFuncGetAttributes(
+            &attr, detail::pingpong_gemm_kernel<detail::BackwardMainloopOf<detail::bfloat16_t, cute::GMMA::Major::K,
+                                                                           detail::kPingPongRows>,
+                                                detail::SwiGluBackwardEpilogueOf<detail::kPingPongRows>>),
+        what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesEpilogue>), what);

@@ -51,7 +51,69 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_
   }
 }
 
+// One 128 x 128 block of a plane per CTA of 256 threads: thread t takes column t % 128 of rows
+// t / 128, t / 128 + 2, ... of the block (a warp reads 32 consecutive columns), 64 values.
+constexpr int kBlockThreads = 256;
+constexpr int kPerThread = kBlock * kBlock / kBlockThreads;
+constexpr int kRowStep = kBlockThreads / kBlock;
+
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_blocks_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols, int64_t row_blocks,
+                           int64_t col_blocks, uint8_t* __restrict__ codes, float* __restrict__ scales) {
+  __shared__ float warp_max[kBlockThreads / 32];
+  const int64_t block = blockIdx.x;  // (plane, row block, column block), row-major
+  const int64_t plane = block / (row_blocks * col_blocks);
+  const int64_t rb = block / col_blocks % row_blocks, cb = block % col_blocks;
+  const int64_t r0 = rb * kBlock + threadIdx.x / kBlock, c = cb * kBlock + threadIdx.x % kBlock;
+  const bool in_cols = c < cols;
+  // The rows r0, r0 + kRowStep, ... that exist: rows_here of them (0 past the matrix).
+  const int64_t left = rows - r0 > 0 ? (rows - r0 + kRowStep - 1) / kRowStep : 0;
+  const int rows_here = int(left < kPerThread ? left : kPerThread);
+  const int64_t first = (plane * rows + r0) * cols + c;  // element (r0, c) of the plane
+  float v[kPerThread];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    v[i] = in_cols && i < rows_here ? __bfloat162float(x[first + int64_t(i) * kRowStep * cols]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  const int e = scale_exponent(amax);
+  if (threadIdx.x == 0) scales[block] = ldexpf(1.0f, e);
+  const float inv = ldexpf(1.0f, -e);  // exact: x / 2^e rounded once, as the CPU's quotient
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (in_cols && i < rows_here)
+      codes[first + int64_t(i) * kRowStep * cols] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
 }  // namespace
+
+void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                          cudaStream_t stream) {
+  if (planes < 0 || rows < 0 || cols < 0)
+    throw std::invalid_argument("mok quantize_blocks_e4m3: planes, rows and cols must be >= 0, got " +
+                                std::to_string(planes) + " x " + std::to_string(rows) + " x " + std::to_string(cols));
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, col_blocks = (cols + kBlock - 1) / kBlock;
+  const int64_t blocks = planes * row_blocks * col_blocks;
+  if (blocks == 0) return;
+  if (x == nullptr || codes == nullptr || scales == nullptr)
+    throw std::invalid_argument("mok quantize_blocks_e4m3: x, codes and scales must not be null");
+  if (blocks > int64_t{0x7fffffff})
+    throw std::invalid_argument("mok quantize_blocks_e4m3: " + std::to_string(blocks) + " blocks are too many");
+  quantize_blocks_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
+                                                                        cols, row_blocks, col_blocks, codes, scales);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("mok quantize_blocks_e4m3: launch: ") + cudaGetErrorString(e));
+}
 
 void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                         cudaStream_t stream) {

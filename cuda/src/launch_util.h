@@ -38,8 +38,9 @@ inline std::string trimmed(std::string s) {
   return s;
 }
 
-inline detail::StoreTensor store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
-  return {detail::make_store_tma(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
+template <int kRows = 128>
+inline detail::StoreTensorOf<kRows> store_target(void* ptr, int64_t rows, int64_t cols, int64_t row_stride) {
+  return {detail::make_store_tma<kRows>(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
 }
 
 // ---- The backward's GEMMs, for the stage kernels and the backward megakernel alike ----
@@ -48,11 +49,14 @@ using BackwardMN = detail::BackwardMainloop<cute::GMMA::Major::MN>;
 inline constexpr int kOnePlane = 1 << 30;  // kb_per_plane of a one-plane reduction
 
 // dh = dy W_down: A = dy [rows, H]; B = W_down as (I, H, El), I contiguous.
-inline BackwardK::Params dh_operands(const void* dy, const void* w_down, int64_t rows, int64_t H, int64_t I,
-                                     int64_t El) {
-  return {BackwardK::make_a(bf(dy), int(rows), int(H), 1, H, 0),
-          BackwardK::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
-          BackwardK::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
+// (kRows: the A tile's rows; 64 for the ping-pong kernel.)
+template <int kRows = detail::GemmConfig::kBlockM>
+inline typename detail::BackwardMainloopOf<bf16_t, cute::GMMA::Major::K, kRows>::Params dh_operands(
+    const void* dy, const void* w_down, int64_t rows, int64_t H, int64_t I, int64_t El) {
+  using Mainloop = detail::BackwardMainloopOf<bf16_t, cute::GMMA::Major::K, kRows>;
+  return {Mainloop::make_a(bf(dy), int(rows), int(H), 1, H, 0),
+          Mainloop::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
+          Mainloop::make_b(bf(w_down), int(I), int(H), int(El), I, H * I),
           int(rows), int(H), 1, int(I), int(H), int(El), kOnePlane, /*b_by_expert=*/1};
 }
 // dx = dg W_gate + du W_up: A = dgu as (rows, I, 2 planes), B = W_gate then W_up as (H, I, El), H
@@ -66,7 +70,7 @@ inline BackwardK::Params dx_operands(const void* dgu, const void* w_gate, const 
 }
 // dh's epilogue: the SwiGLU backward into dg|du [rows, 2I] and hw [rows, I], with the d topk_w
 // partials [rows, dw_partial_blocks(I)].
-inline detail::SwiGluBackwardEpilogue::Params swiglu_backward_target(void* dgu, void* hw, const void* gu, const void* h,
+inline detail::SwiGluBackwardParams swiglu_backward_target(void* dgu, void* hw, const void* gu, const void* h,
                                                                      const float* row_weight, float* dw_partial,
                                                                      int64_t I, const std::optional<float>& limit) {
   return {static_cast<__nv_bfloat16*>(dgu), static_cast<__nv_bfloat16*>(hw), static_cast<const __nv_bfloat16*>(gu),

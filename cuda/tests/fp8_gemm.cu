@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "mok/cuda/detail/fp8_scaled_gemm_kernel.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
 
 namespace mok::test {
@@ -44,5 +45,39 @@ void fp8_grouped_gemm(const void* a, const void* b, void* out, const int32_t* of
   kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "launch fp8 grouped GEMM");
 }
+
+void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b, const float* b_scales, void* out,
+                             const int32_t* offsets, int rows, int k, int n, int experts, int32_t* status,
+                             cudaStream_t stream) {
+  if (rows <= 0 || rows % 4 != 0 || k <= 0 || k % 16 != 0 || n <= 0 || n % 8 != 0 || experts < 1 ||
+      experts > GemmConfig::kMaxExperts || a_scales == nullptr || b_scales == nullptr)
+    throw std::invalid_argument("fp8_scaled_grouped_gemm: bad shape or null scales");
+  const auto* a8 = static_cast<const float_e4m3_t*>(a);
+  const auto* b8 = static_cast<const float_e4m3_t*>(b);
+  auto* o = static_cast<bfloat16_t*>(out);
+  const Fp8ScaledGemmParams p{fp8_tma_a(a8, rows, k),
+                              fp8_tma_b(b8, n, k, experts),
+                              StoreTensor{make_store_tma(o, rows, n, n, 1, 0), rows, n, 1},
+                              a_scales,
+                              b_scales,
+                              rows,
+                              k,
+                              n,
+                              experts,
+                              ceil_div(n, Fp8GemmConfig::kBlockN),
+                              ceil_div(k, Fp8GemmConfig::kBlockK),
+                              offsets,
+                              status};
+  const int smem = static_cast<int>(sizeof(Fp8ScaledGemmSharedStorage));
+  check(cudaFuncSetAttribute(fp8_scaled_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        "set shared memory");
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
+  fp8_scaled_gemm_kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), "launch fp8 scaled grouped GEMM");
+}
+
+static_assert(sizeof(Fp8ScaledGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
 
 }  // namespace mok::test

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -118,6 +119,25 @@ TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
       EXPECT_EQ(first_bit_difference(y, first_y), -1) << "y differs in run " << run;
     }
   }
+  // The ping-pong schedule (one warpgroup per 64-row tile) reduces every output in the same k
+  // order: the same bits, on every SM and then on 3 CTAs (many tiles each: both warpgroups take
+  // turns many times).
+  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  for (int run = 0; run < 2; ++run) {
+    a.num_sms = run == 0 ? 0 : 3;
+    dgu.poison();
+    dh.poison();
+    dy.poison();
+    cuda::experts_forward(a, nullptr);
+    const cudaError_t done = cudaDeviceSynchronize();
+    unsetenv("MOK_EXPERT_SCHEDULE");
+    CUDA_OK(done);
+    ASSERT_EQ(dstatus.download()[0], 0);
+    EXPECT_EQ(first_bit_difference(dgu.download(), first_gu), -1) << "ping-pong gu differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dh.download(), first_h), -1) << "ping-pong h differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dy.download(), first_y), -1) << "ping-pong y differs (run " << run << ")";
+    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  }
 }
 
 std::vector<Case> cases() {
@@ -218,7 +238,7 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   a.status = dstatus.ptr;
   ASSERT_EQ(cuda::can_implement(a), "");
 
-  std::vector<uint16_t> first_dx;
+  std::vector<uint16_t> first_dx, first_dgu, first_hw;
   std::vector<float> first_dw, first_g, first_u, first_d;
   for (int run = 0; run < 5; ++run) {
     ddx.poison();
@@ -257,6 +277,8 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
         }
       }
       first_dx = std::move(dx);
+      first_dgu = dgu.download();  // the dh launch's own outputs, for the ping-pong runs below
+      first_hw = dhw.download();
       first_dw = std::move(dw);
       first_g = std::move(g);
       first_u = std::move(u);
@@ -269,6 +291,34 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
       EXPECT_EQ(first_bit_difference(d, first_d), -1) << "dW_down differs in run " << run;
     }
   }
+
+  // The ping-pong schedule of the dh launch (one warpgroup per 64-row tile, the SwiGLU backward
+  // under the other's mainloop): the same bits, on every SM and then on 3 CTAs (many tiles each).
+  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  for (int run = 0; run < 2; ++run) {
+    a.num_sms = run == 0 ? 0 : 3;
+    ddx.poison();
+    ddw.poison();
+    dWg.poison();
+    dWu.poison();
+    dWd.poison();
+    dgu.poison();
+    dhw.poison();
+    cuda::experts_backward(a, nullptr);
+    const cudaError_t done = cudaDeviceSynchronize();
+    unsetenv("MOK_EXPERT_SCHEDULE");
+    CUDA_OK(done);
+    ASSERT_EQ(dstatus.download()[0], 0);
+    EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "ping-pong dg|du differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "ping-pong w*h differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "ping-pong dx differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "ping-pong d_row_weight differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "ping-pong dW_gate differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "ping-pong dW_up differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "ping-pong dW_down differs (run " << run << ")";
+    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  }
+  a.num_sms = 0;
 
   // bf16 weight gradients (d_w_type = bf16): the fp32 ones rounded to nearest even, bit for bit
   // (the same accumulation, one rounding in the epilogue), on poisoned buffers, twice.

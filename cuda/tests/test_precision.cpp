@@ -96,6 +96,91 @@ TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
   EXPECT_EQ(dstatus.download()[0], 0);
 }
 
+TEST(Precision, Fp8BlockScaledGroupedGemmMatchesTheCpuOracle) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // k and n past a whole number of 128-blocks (partial last scale blocks), an empty expert, rows
+  // not a multiple of 128; activations whose magnitude changes along k (each k-block its own
+  // scale) and from row to row, weights per expert and block.
+  const int k = 128 * 3 + 64, n = 128 * 2 + 40;
+  const std::vector<int> real_rows{130, 0, 300};
+  std::vector<int32_t> offsets{0};
+  for (int r : real_rows) offsets.push_back(offsets.back() + (r + 127) / 128 * 128);
+  const int experts = static_cast<int>(real_rows.size());
+  const int used = offsets.back(), capacity = used + 128;
+  const int kbs = (k + 127) / 128, nbs = (n + 127) / 128;
+
+  Rng rng(0xf8c9ull);
+  std::vector<float> x(size_t(capacity) * k, 0.0f), w(size_t(experts) * n * k);
+  for (int e = 0; e < experts; ++e)
+    for (int r = offsets[e]; r < offsets[e] + real_rows[e]; ++r)
+      for (int c = 0; c < k; ++c)
+        x[size_t(r) * k + c] = round_to_bf16(std::ldexp(float(rng.normal()), (r % 7) - 3 + 2 * (c / 128)));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = round_to_bf16(std::ldexp(float(rng.normal()), -6 + int(i % 5)));
+  // The oracle: the quantized operands and their block-scaled product, per expert segment.
+  const fp8::Quantized xq = fp8::quantize_activations(x.data(), capacity, k);
+  std::vector<uint8_t> wcodes;
+  std::vector<float> wscales;  // [experts, nbs, kbs]
+  std::vector<float> ref(size_t(used) * n, 0.0f);
+  for (int e = 0; e < experts; ++e) {
+    const fp8::Quantized wq = fp8::quantize_weights(w.data() + size_t(e) * n * k, n, k);
+    wcodes.insert(wcodes.end(), wq.codes.begin(), wq.codes.end());
+    wscales.insert(wscales.end(), wq.scales.begin(), wq.scales.end());
+    const int rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    fp8::Quantized seg = xq;  // the segment's rows of x, with their scales
+    seg.rows = rows;
+    seg.codes.assign(xq.codes.begin() + size_t(offsets[e]) * k, xq.codes.begin() + size_t(offsets[e + 1]) * k);
+    seg.scales.assign(xq.scales.begin() + size_t(offsets[e]) * kbs, xq.scales.begin() + size_t(offsets[e + 1]) * kbs);
+    fp8::gemm_nt(seg, wq, ref.data() + size_t(offsets[e]) * n);
+  }
+  std::vector<float> xscales_t(size_t(kbs) * capacity);  // k-block major, as the kernel reads them
+  for (int r = 0; r < capacity; ++r)
+    for (int b = 0; b < kbs; ++b) xscales_t[size_t(b) * capacity + r] = xq.scales[size_t(r) * kbs + b];
+  ASSERT_EQ(int(wscales.size()), experts * nbs * kbs);
+
+  DeviceBuffer<uint8_t> da(xq.codes.size()), db(wcodes.size());
+  DeviceBuffer<float> dsa(xscales_t.size()), dsb(wscales.size());
+  DeviceBuffer<uint16_t> dout(size_t(capacity) * n);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  ASSERT_NE(da.ptr, nullptr);
+  da.upload(xq.codes);
+  db.upload(wcodes);
+  dsa.upload(xscales_t);
+  dsb.upload(wscales);
+  doff.upload(offsets);
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  std::vector<uint16_t> first;
+  for (int run = 0; run < 3; ++run) {
+    dout.poison();
+    test::fp8_scaled_grouped_gemm(da.ptr, dsa.ptr, db.ptr, dsb.ptr, dout.ptr, doff.ptr, capacity, k, n, experts,
+                                  dstatus.ptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> bits = dout.download();
+    if (run == 0) {
+      const std::vector<float> out = from_bits(bits);
+      double err = 0.0, norm = 0.0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(out[i])) << "row " << i / n << " column " << i % n;
+        err += double(out[i] - ref[i]) * (out[i] - ref[i]);
+        norm += double(ref[i]) * ref[i];
+      }
+      const double rel = std::sqrt(err / norm);
+      std::printf("[ fp8 block-scaled ] rel error %.2e against the oracle\n", rel);
+      EXPECT_LT(rel, 4e-3);  // bf16 rounding of the output; within a k-block the sums are near exact
+      for (int r = used; r < capacity; ++r)  // past the last expert: never written
+        for (int j = 0; j < n; ++j) ASSERT_EQ(bits[size_t(r) * n + j], 0xffff) << "row " << r;
+      first = bits;
+    } else {
+      ASSERT_EQ(bits, first) << "run " << run << " differs from run 0";
+    }
+  }
+  EXPECT_EQ(dstatus.download()[0], 0);
+  EXPECT_THROW(test::fp8_scaled_grouped_gemm(da.ptr, nullptr, db.ptr, dsb.ptr, dout.ptr, doff.ptr, capacity, k, n,
+                                             experts, dstatus.ptr, nullptr),
+               std::invalid_argument);
+}
+
 TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
@@ -137,6 +222,67 @@ TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   }
   EXPECT_THROW(cuda::quantize_rows_e4m3(dx.ptr, -1, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
+}
+
+TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // Three planes (experts) of 300 x (1024 + 80): partial 128 x 128 blocks at both edges. Each
+  // block's magnitudes from 2^-40 to 2^40 by its position; one all-zero block; two blocks of small
+  // values (2^-10) whose largest value is placed: 30720 in block 45's last (partial) row (scale
+  // 2^7, code 240), 448 and -448 in block 54 (scale 1, the largest codes); a negative zero.
+  const int64_t planes = 3, rows = 300, cols = 1024 + 80;
+  const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+  Rng rng(0xf8b7ull);
+  std::vector<float> w = test::random_bf16(rng, planes * rows * cols);
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        float& v = w[size_t((p * rows + r) * cols + c)];
+        const int64_t block = (p * row_blocks + r / 128) * col_blocks + c / 128;
+        const int shift = block == 45 || block == 54 ? -10 : int(block * 7 % 81) - 40;
+        v = block == 5 ? 0.0f : round_to_bf16(std::ldexp(v, shift));
+      }
+  // Plane 1, row 299 (row block 2, partial), column 3: block (1 * 3 + 2) * 9 + 0 = 45.
+  w[size_t((1 * rows + 299) * cols + 3)] = 30720.0f;  // 1.875 * 2^14: exact in bf16
+  // Plane 2, rows 0 and 1: block (2 * 3 + 0) * 9 + 0 = 54.
+  w[size_t((2 * rows + 0) * cols + 1)] = 448.0f;
+  w[size_t((2 * rows + 1) * cols + 2)] = -448.0f;
+  w[size_t((0 * rows + 7) * cols + 9)] = -0.0f;
+  std::vector<uint8_t> want_codes;
+  std::vector<float> want_scales;
+  for (int64_t p = 0; p < planes; ++p) {
+    const fp8::Quantized q = fp8::quantize_weights(w.data() + p * rows * cols, rows, cols);
+    want_codes.insert(want_codes.end(), q.codes.begin(), q.codes.end());
+    want_scales.insert(want_scales.end(), q.scales.begin(), q.scales.end());
+  }
+  ASSERT_EQ(int64_t(want_scales.size()), planes * row_blocks * col_blocks);
+  ASSERT_EQ(want_scales[45], 128.0f);  // the placed values decide their blocks' scales
+  ASSERT_EQ(want_scales[54], 1.0f);
+
+  DeviceBuffer<uint16_t> dw(w.size());
+  DeviceBuffer<uint8_t> dcodes(want_codes.size());
+  DeviceBuffer<float> dscales(want_scales.size());
+  ASSERT_NE(dw.ptr, nullptr);
+  dw.upload(test::to_bits(w));
+  for (int run = 0; run < 2; ++run) {
+    dcodes.poison(0xaa);
+    dscales.poison();
+    cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> codes = dcodes.download();
+    const std::vector<float> scales = dscales.download();
+    for (size_t i = 0; i < want_scales.size(); ++i)
+      ASSERT_EQ(std::memcmp(&scales[i], &want_scales[i], sizeof(float)), 0)
+          << "scale of block " << i << ": " << scales[i] << " against " << want_scales[i];
+    for (size_t i = 0; i < want_codes.size(); ++i)
+      ASSERT_EQ(codes[i], want_codes[i]) << "plane " << i / (rows * cols) << " row " << i / cols % rows << " column "
+                                         << i % cols << " (w " << w[i] << ")";
+  }
+  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, -1, cols, dcodes.ptr, dscales.ptr, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, nullptr, dscales.ptr, nullptr),
+               std::invalid_argument);
 }
 
 }  // namespace

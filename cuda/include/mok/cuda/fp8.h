@@ -17,4 +17,11 @@ namespace mok::cuda {
 void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                         cudaStream_t stream);
 
+// Weights: x [planes, rows, cols] bf16 (an expert's matrix a plane) -> codes [planes, rows, cols]
+// e4m3 and scales [planes, ceil(rows / 128), ceil(cols / 128)] fp32: one power-of-two scale per
+// 128 x 128 block of a plane (partial at the edges), as mok/core/fp8.h: quantize_weights per plane.
+// Asynchronous on `stream`; the same errors as quantize_rows_e4m3.
+void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                          cudaStream_t stream);
+
 }  // namespace mok::cuda

@@ -24,11 +24,18 @@ namespace mok::cuda::detail {
 using namespace cute;
 
 // The staging tile: 128 rows of 128 bytes (64 bf16 or 32 fp32 columns) with the 128-byte swizzle
-// (conflict-free for the accumulator's 8-row x 16-byte write pattern).
-using EpilogueTileShape = Shape<_128, _64>;
-using SmemLayoutEpilogue = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, EpilogueTileShape{}));
+// (conflict-free for the accumulator's 8-row x 16-byte write pattern). The ping-pong kernel's
+// warpgroups each own a 64-row tile and stage 64 rows (the *Of<64> forms).
+template <int kRows>
+using EpilogueTileShapeOf = Shape<Int<kRows>, _64>;
+template <int kRows>
+using SmemLayoutEpilogueOf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, EpilogueTileShapeOf<kRows>{}));
+using EpilogueTileShape = EpilogueTileShapeOf<128>;
+using SmemLayoutEpilogue = SmemLayoutEpilogueOf<128>;
+template <int kRows>
+using SmemLayoutEpilogueF32Of = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kRows>, _32>{}));
 using EpilogueTileShapeF32 = Shape<_128, _32>;
-using SmemLayoutEpilogueF32 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, EpilogueTileShapeF32{}));
+using SmemLayoutEpilogueF32 = SmemLayoutEpilogueF32Of<128>;
 inline constexpr int kEpilogueThreads = 256;
 // Two staging tiles: chunk k is written into tile k % 2 while the bulk store of chunk k-1 drains.
 // Every epilogue stores an even number of chunks per tile, so each tile starts at staging tile 0.
@@ -40,17 +47,34 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync %0, %1;" ::"r"(kEpilogueBarrier), "r"(kEpilogueThreads) : "memory");
 }
 
-// A TMA store target: out[plane][rows, cols] with row stride `row_stride` elements.
+// The barrier of the threads that write one staging tile: both consumer warpgroups for a 128-row
+// tile; for a 64-row tile (ping-pong) the calling warpgroup alone (ids 2 and 3).
+template <int kRows>
+__device__ __forceinline__ void epilogue_sync() {
+  if constexpr (kRows == 128) {
+    consumers_sync();
+  } else {
+    static_assert(kRows == 64, "a staging tile is one or two warpgroups' rows");
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + int(threadIdx.x) / 128) : "memory");
+  }
+}
+
+// A TMA store target: out[plane][rows, cols] with row stride `row_stride` elements, stored in
+// kRows x 64 boxes.
+template <int kRows = 128>
 inline auto make_store_tma(bfloat16_t* ptr, int rows, int cols, int64_t row_stride, int planes, int64_t plane_stride) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, planes),
                                                          make_stride(row_stride, _1{}, plane_stride)));
-  return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogue{}, EpilogueTileShape{});
+  return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogueOf<kRows>{}, EpilogueTileShapeOf<kRows>{});
 }
 
-struct StoreTensor {
-  decltype(make_store_tma(nullptr, 1, 1, 1, 1, 1)) tma;
+template <int kRows_>
+struct StoreTensorOf {
+  static constexpr int kRows = kRows_;
+  decltype(make_store_tma<kRows_>(nullptr, 1, 1, 1, 1, 1)) tma;
   int rows, cols, planes;
 };
+using StoreTensor = StoreTensorOf<128>;
 
 // An fp32 target out[plane][rows, cols] (weight gradients: plane = expert).
 inline auto make_store_tma_f32(float* ptr, int rows, int cols, int64_t row_stride, int planes, int64_t plane_stride) {
@@ -66,12 +90,13 @@ struct StoreTensorF32 {
 
 template <class Target>
 struct StagingTraits;
-template <>
-struct StagingTraits<StoreTensor> {
+template <int kRows_>
+struct StagingTraits<StoreTensorOf<kRows_>> {
   using Element = bfloat16_t;
   using Pair = __nv_bfloat162;
-  using Layout = SmemLayoutEpilogue;
-  using TileShape = EpilogueTileShape;
+  using Layout = SmemLayoutEpilogueOf<kRows_>;
+  using TileShape = EpilogueTileShapeOf<kRows_>;
+  static constexpr int kRows = kRows_;
   static constexpr int kCols = 64;
   static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
@@ -81,6 +106,7 @@ struct StagingTraits<StoreTensorF32> {
   using Pair = float2;
   using Layout = SmemLayoutEpilogueF32;
   using TileShape = EpilogueTileShapeF32;
+  static constexpr int kRows = 128;
   static constexpr int kCols = 32;
   static __device__ __forceinline__ Pair pack(float a, float b) { return make_float2(a, b); }
 };
@@ -103,20 +129,20 @@ __device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, cons
   using Traits = StagingTraits<Target>;
   using Element = typename Traits::Element;
   using Pair = typename Traits::Pair;
-  Element* buffer = reinterpret_cast<Element*>(staging + (chunk % kEpilogueBuffers) * kStagingElems);
+  Element* buffer = reinterpret_cast<Element*>(staging + (chunk % kEpilogueBuffers) * (Traits::kRows * 64));
   Tensor sC = make_tensor(make_smem_ptr(buffer), typename Traits::Layout{});
   if (thread == 0) tma_store_wait<kEpilogueBuffers - 1>();
-  consumers_sync();
+  epilogue_sync<Traits::kRows>();
   static_for<Traits::kCols / 4>([&](auto j) {
     constexpr int i = kI0 + 2 * decltype(j)::value;
     const int r = get<0>(coords(i)), c = get<1>(coords(i)) - col0;
     *reinterpret_cast<Pair*>(&sC(r, c)) = value(Int<i>{});
   });
   tma_store_fence();  // make the generic-proxy writes visible to the bulk copy
-  consumers_sync();
+  epilogue_sync<Traits::kRows>();
   if (thread == 0) {
     Tensor mC = target.tma.get_tma_tensor(make_shape(target.rows, target.cols, target.planes));
-    Tensor gC = local_tile(mC, typename Traits::TileShape{}, make_coord(_, _, _));  // (128, cols, m, n, plane)
+    Tensor gC = local_tile(mC, typename Traits::TileShape{}, make_coord(_, _, _));  // (kRows, cols, m, n, plane)
     auto [tCg, tCs] = tma_partition(target.tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC), group_modes<0, 2>(gC));
     copy(target.tma, tCs, tCg(_, m_block, n_chunk, plane));
     tma_store_arrive();
@@ -130,10 +156,12 @@ __device__ __forceinline__ void drain_stores(int thread) {
 
 // h[row, col] = act(g, u) over the tile's 128 gate columns and their 128 up columns; with save_gu,
 // also g and u (bf16, clamp side preserved) into gu[rows, 2I]: g at columns [0, I) (target g),
-// u at [I, 2I) (target u, the same buffer offset by I).
-struct SwiGluEpilogue {
+// u at [I, 2I) (target u, the same buffer offset by I). kRows: the tile's rows (128: both
+// consumer warpgroups; 64: one, ping-pong).
+template <int kRows>
+struct SwiGluEpilogueOf {
   struct Params {
-    StoreTensor h, g, u;
+    StoreTensorOf<kRows> h, g, u;
     bool save_gu;
     bool has_limit;
     float limit;
@@ -186,9 +214,10 @@ struct SwiGluEpilogue {
 };
 
 // out[row, col] = bf16(acc) over the tile's 256 columns.
-struct StoreEpilogue {
+template <int kRows>
+struct StoreEpilogueOf {
   struct Params {
-    StoreTensor out;
+    StoreTensorOf<kRows> out;
   };
 
   template <class Acc, class Coords>
@@ -203,6 +232,9 @@ struct StoreEpilogue {
     });
   }
 };
+
+using SwiGluEpilogue = SwiGluEpilogueOf<128>;
+using StoreEpilogue = StoreEpilogueOf<128>;
 
 // Weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns, in the target's
 // element type (fp32, or bf16 rounded once), in chunks of the staging tile's columns.
@@ -240,19 +272,24 @@ using StoreBf16PlanesEpilogue = StorePlanesEpilogue<StoreTensor>;
 // segment per thread (row = thread/2, 16 columns), so g, u, h are read and dg, du, hw written with
 // 16-byte vectors; doing the math in the accumulator's own layout needs more registers than a
 // consumer thread has.
-struct SwiGluBackwardEpilogue {
-  struct Params {
-    __nv_bfloat16* dgu;       // [rows, 2I] out: dg | du
-    __nv_bfloat16* hw;        // [rows, I] out
-    const __nv_bfloat16* gu;  // [rows, 2I]
-    const __nv_bfloat16* h;   // [rows, I]
-    const float* row_weight;  // [rows]
-    float* dw_partial;        // [rows, n_blocks]
-    int n_blocks;
-    int intermediate;
-    bool has_limit;
-    float limit;
-  };
+struct SwiGluBackwardParams {
+  __nv_bfloat16* dgu;       // [rows, 2I] out: dg | du
+  __nv_bfloat16* hw;        // [rows, I] out
+  const __nv_bfloat16* gu;  // [rows, 2I]
+  const __nv_bfloat16* h;   // [rows, I]
+  const float* row_weight;  // [rows]
+  float* dw_partial;        // [rows, n_blocks]
+  int n_blocks;
+  int intermediate;
+  bool has_limit;
+  float limit;
+};
+
+// kRows: the tile's rows (128: both consumer warpgroups, 256 threads; 64: one warpgroup,
+// ping-pong). Either way a thread takes half a row (row = thread / 2).
+template <int kRows>
+struct SwiGluBackwardEpilogueOf {
+  using Params = SwiGluBackwardParams;
 
   // One 8-column vector of a row: dg, du, hw from dh, and the dh*h partial sum in column order.
   static __device__ __forceinline__ void vector8(const Params& p, int64_t row, int64_t col, float w,
@@ -320,8 +357,8 @@ struct SwiGluBackwardEpilogue {
                                                          float partial) {
     CUTE_UNROLL
     for (int b = 0; b < 2; ++b) {
-      Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kStagingElems)),
-                              SmemLayoutEpilogueF32{});
+      Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kRows * 64)),
+                              SmemLayoutEpilogueF32Of<kRows>{});
       CUTE_UNROLL
       for (int v = 0; v < 2; ++v) {
         const int64_t col = col0 + 32 * b + 8 * v;
@@ -340,18 +377,18 @@ struct SwiGluBackwardEpilogue {
     static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
     const int seg_row = thread / 2;          // this thread's row of the tile
     const int seg_col = (thread % 2) * 16;   // and its 16 columns of each 32-column chunk
-    const int64_t row = int64_t(t.m_block) * 128 + seg_row;
+    const int64_t row = int64_t(t.m_block) * kRows + seg_row;
     const float w = p.row_weight[row];
     float partial = 0.0f;
     // Two 32-column chunks per round, one per staging tile: the accumulator values of a round are
     // dead once written, which keeps the thread under its register budget.
     static_for<4>([&](auto round_) {
       constexpr int round = decltype(round_)::value;
-      consumers_sync();  // every thread is done reading the staging tiles of the previous round
+      epilogue_sync<kRows>();  // every thread is done reading the staging tiles of the previous round
       static_for<2>([&](auto b_) {
         constexpr int c = 2 * round + decltype(b_)::value;
-        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + decltype(b_)::value * kStagingElems)),
-                                SmemLayoutEpilogueF32{});  // (128, 32) fp32
+        Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(staging + decltype(b_)::value * kRows * 64)),
+                                SmemLayoutEpilogueF32Of<kRows>{});  // (kRows, 32) fp32
         static_for<8>([&](auto j) {
           constexpr int i = 16 * c + 2 * decltype(j)::value;
           const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 32 * c;
@@ -361,7 +398,7 @@ struct SwiGluBackwardEpilogue {
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
         });
       });
-      consumers_sync();
+      epilogue_sync<kRows>();
       partial = read_back_round(p, staging, row, int64_t(t.n_block) * 256 + 64 * round + seg_col, seg_row, seg_col, w,
                                 partial);
     });
@@ -370,5 +407,6 @@ struct SwiGluBackwardEpilogue {
     if (thread % 2 == 0) p.dw_partial[row * p.n_blocks + t.n_block] = __fadd_rn(partial, other);
   }
 };
+using SwiGluBackwardEpilogue = SwiGluBackwardEpilogueOf<128>;
 
 }  // namespace mok::cuda::detail

@@ -62,8 +62,9 @@ struct OperandSmemLayoutOf<Element, GMMA::Major::MN, kRows> {
 template <class Element, GMMA::Major kMajor, int kRows>
 using OperandSmemLayout = typename OperandSmemLayoutOf<Element, kMajor, kRows>::type;
 
-template <class Element, GMMA::Major kMajorA, GMMA::Major kMajorB>
+// Two warpgroups on one 128 x 256 tile (cooperative), or one on a 64 x 256 tile (ping-pong).
+template <class Element, GMMA::Major kMajorA, GMMA::Major kMajorB, int kWarpgroups = 2>
 using ExpertTiledMma = decltype(make_tiled_mma(typename MmaAtomOf<Element, kMajorA, kMajorB>::type{},
-                                               Layout<Shape<_2, _1, _1>>{}));
+                                               Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
 
 }  // namespace mok::cuda::detail

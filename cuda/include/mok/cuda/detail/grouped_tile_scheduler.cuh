@@ -30,7 +30,8 @@ struct GroupedTileSchedulerStorage {
   int32_t status;  // 0, or why the offsets are malformed (then no tile is computed)
 };
 
-template <int kBlockM, int kMaxExperts, int kGroupM = 8>
+// kAlignM: the alignment the offsets must have (the segments'; a tile may be shorter).
+template <int kBlockM, int kMaxExperts, int kGroupM = 8, int kAlignM = kBlockM>
 struct GroupedTileScheduler {
   const GroupedTileSchedulerStorage<kMaxExperts>& s;
   int num_experts;
@@ -46,7 +47,7 @@ struct GroupedTileScheduler {
     for (int e = lane; e <= num_experts; e += 32) {
       const int32_t v = offsets[e];
       st.offsets[e] = v;
-      if (v % kBlockM != 0) status = 1;
+      if (v % kAlignM != 0) status = 1;
       if (v < 0 || v > row_capacity || (e > 0 && v < offsets[e - 1])) status = status ? status : 2;
     }
     if (offsets[0] != 0) status = status ? status : 2;

@@ -22,19 +22,19 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
-// ForwardMainloopOf's TMA descriptors: A [rows, K] as (rows, K, 1); B [El, N, K] as (N, K, El),
-// loaded as (128, BLOCK_K) halves.
-template <class Element>
-using ForwardSmemLayoutA = OperandSmemLayout<Element, GMMA::Major::K, GemmConfig::kBlockM>;
+// ForwardMainloopOf's TMA descriptors: A [rows, K] as (rows, K, 1), loaded as (kRowsA, BLOCK_K)
+// tiles; B [El, N, K] as (N, K, El), loaded as (128, BLOCK_K) halves.
+template <class Element, int kRowsA = GemmConfig::kBlockM>
+using ForwardSmemLayoutA = OperandSmemLayout<Element, GMMA::Major::K, kRowsA>;
 template <class Element>
 using ForwardSmemLayoutBHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                         Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>,
                                                               Int<2 * GemmConfig::kStages>>{}));
-template <class Element>
+template <class Element, int kRowsA = GemmConfig::kBlockM>
 auto forward_tma_a(const Element* ptr, int rows, int k) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
-  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA<Element>{}(_, _, 0),
-                       Shape<Int<GemmConfig::kBlockM>, Int<OperandConfig<Element>::kBlockK>>{});
+  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA<Element, kRowsA>{}(_, _, 0),
+                       Shape<Int<kRowsA>, Int<OperandConfig<Element>::kBlockK>>{});
 }
 template <class Element>
 auto forward_tma_b(const Element* ptr, int n, int k, int experts) {
@@ -44,27 +44,32 @@ auto forward_tma_b(const Element* ptr, int n, int k, int experts) {
                        Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>>{});
 }
 
-template <class Element_>
+// kRowsA: the rows of an A tile (128; 64 for the ping-pong kernel, whose warpgroups each own a
+// 64-row tile).
+template <class Element_, int kRowsA = GemmConfig::kBlockM>
 struct ForwardMainloopOf {
   using Element = Element_;
   using Operand = OperandConfig<Element>;
   static constexpr int kBlockK = Operand::kBlockK;
+  static constexpr int kRows = kRowsA;
+  static constexpr int kStageElemsA = kRowsA * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + Operand::kStageElemsB) * sizeof(Element);
   static constexpr GMMA::Major kMajorA = GMMA::Major::K;
   static constexpr GMMA::Major kMajorB = GMMA::Major::K;
-  using SmemLayoutA = ForwardSmemLayoutA<Element>;
+  using SmemLayoutA = ForwardSmemLayoutA<Element, kRowsA>;
   using SmemLayoutB = OperandSmemLayout<Element, GMMA::Major::K, GemmConfig::kBlockN>;
   // The same bytes as SmemLayoutB seen as 128-row halves: (kHalfN, BLOCK_K, 2*STAGES), half h of
   // stage s at index 2s+h (tile_to_shape stacks K-major swizzle atoms along rows first, so a
   // stage's rows 0-127 and 128-255 are two consecutive 16 KiB blocks).
   using SmemLayoutBHalves = ForwardSmemLayoutBHalves<Element>;
-  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<kBlockK>>;
+  using TileA = Shape<Int<kRowsA>, Int<kBlockK>>;
   using TileBHalf = Shape<Int<GemmConfig::kHalfN>, Int<kBlockK>>;
 
-  static auto make_a(const Element* ptr, int rows, int k) { return forward_tma_a(ptr, rows, k); }
+  static auto make_a(const Element* ptr, int rows, int k) { return forward_tma_a<Element, kRowsA>(ptr, rows, k); }
   static auto make_b(const Element* ptr, int n, int k, int experts) { return forward_tma_b(ptr, n, k, experts); }
 
   struct Params {
-    decltype(forward_tma_a<Element>(nullptr, 1, 1)) tma_a;
+    decltype(forward_tma_a<Element, kRowsA>(nullptr, 1, 1)) tma_a;
     decltype(forward_tma_b<Element>(nullptr, 1, 1, 1)) tma_b0, tma_b1;
     int rows, k, b_rows, experts;
     int b1_row_shift;  // half 1 reads B1's 128-row block 2n+1 (and half 0 block 2n) when 1, else both block n
@@ -99,17 +104,21 @@ struct ForwardMainloopOf {
 };
 using ForwardMainloop = ForwardMainloopOf<bfloat16_t>;
 
-template <class Element_, GMMA::Major kMajorA_>
+// kRowsA: the rows of an A tile (128; 64 for the ping-pong kernel).
+template <class Element_, GMMA::Major kMajorA_, int kRowsA = GemmConfig::kBlockM>
 struct BackwardMainloopOf {
   static_assert(sizeof(Element_) == 2, "B is MN-major, which only 16-bit wgmma reads");
   using Element = Element_;
   using Operand = OperandConfig<Element>;
   static constexpr int kBlockK = Operand::kBlockK;
+  static constexpr int kRows = kRowsA;
+  static constexpr int kStageElemsA = kRowsA * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + Operand::kStageElemsB) * sizeof(Element);
   static constexpr GMMA::Major kMajorA = kMajorA_;
   static constexpr GMMA::Major kMajorB = GMMA::Major::MN;
-  using SmemLayoutA = OperandSmemLayout<Element, kMajorA_, GemmConfig::kBlockM>;
+  using SmemLayoutA = OperandSmemLayout<Element, kMajorA_, kRowsA>;
   using SmemLayoutB = OperandSmemLayout<Element, GMMA::Major::MN, GemmConfig::kBlockN>;
-  using TileA = Shape<Int<GemmConfig::kBlockM>, Int<kBlockK>>;
+  using TileA = Shape<Int<kRowsA>, Int<kBlockK>>;
   using TileB = Shape<Int<GemmConfig::kBlockN>, Int<kBlockK>>;
 
   // A as (M, K, planes): K-major rows (stride (row_stride, 1, plane_stride)) or MN-major
