@@ -76,7 +76,7 @@ class Row:
     flops: float
     rel_error: float
     dense_tflops: float
-    schedule: str = "cooperative"
+    schedule: str = "default"
 
     @property
     def ratio(self) -> float:
@@ -92,7 +92,7 @@ def render(rows: list[Row], header: str) -> str:
            "| preset | El x rows | step | MoK ms | torch ms | MoK TF/s | torch TF/s | torch / MoK | MoK / dense | rel error |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        step = r.step if r.schedule == "cooperative" else f"{r.step} ({r.schedule})"
+        step = r.step if r.schedule == "default" else f"{r.step} ({r.schedule})"
         out.append(f"| {r.preset} | {r.local_experts} x {r.rows_per_expert} | {step} | {r.mok_ms:.3f} | "
                    f"{r.torch_ms:.3f} | {r.tflops(r.mok_ms):.0f} | {r.tflops(r.torch_ms):.0f} | {r.ratio:.2f} | "
                    f"{r.tflops(r.mok_ms) / r.dense_tflops:.0%} | {r.rel_error:.1e} |")
@@ -136,7 +136,7 @@ def dense_tflops(n: int = 8192, iters: int = 20) -> float:
 
 def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float,
               kernels: Any = None, device: str = "cuda", steps: tuple[str, ...] = STEPS,
-              schedule: str = "cooperative") -> list[Row]:
+              schedule: str = "default") -> list[Row]:
     """Every step of one shape: checked, then timed. ``kernels`` is mok._cuda_kernels (the default);
     the CPU plumbing test passes a torch stand-in with the same calls."""
     if kernels is None:
@@ -269,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="512,1024,4096", help="rows per expert (multiples of 128)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", default=",".join(STEPS), help="which of " + ",".join(STEPS))
-    ap.add_argument("--schedules", default="cooperative",
-                    help="the expert kernels' schedules to time, one after the other on each shape (MOK_EXPERT_SCHEDULE: "
-                         "cooperative, pingpong); torch is timed again beside each")
+    ap.add_argument("--schedules", default="default",
+                    help="the expert kernels' schedules to time, one after the other on each shape: default (each "
+                         "launch's own), or cooperative / pingpong for all (MOK_EXPERT_SCHEDULE); torch is timed again beside each")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
     ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
     args = ap.parse_args(argv)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = tuple(args.steps.split(","))
     schedules = args.schedules.split(",")
-    unknown = [s for s in steps if s not in STEPS] + [s for s in schedules if s not in ("cooperative", "pingpong")]
+    unknown = [s for s in steps if s not in STEPS] + [s for s in schedules if s not in ("default", "cooperative", "pingpong")]
     if unknown:
         ap.error(f"unknown step or schedule: {', '.join(unknown)}")
     dense = dense_tflops()
@@ -289,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.presets.split(","):
             for schedule in schedules:
                 # The launchers read MOK_EXPERT_SCHEDULE on every call.
-                os.environ["MOK_EXPERT_SCHEDULE"] = schedule
+                if schedule == "default":
+                    os.environ.pop("MOK_EXPERT_SCHEDULE", None)
+                else:
+                    os.environ["MOK_EXPERT_SCHEDULE"] = schedule
                 shape_rows = run_shape(preset, rpe, dense, args.iters, args.tolerance, steps=steps, schedule=schedule)
                 for row in shape_rows:
                     rows.append(row)

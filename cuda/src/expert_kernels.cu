@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -52,12 +53,21 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
-// Which schedule the forward expert GEMMs and the dgrad's dh launch take: cooperative (two
-// warpgroups on a 128-row tile) unless MOK_EXPERT_SCHEDULE=pingpong (one warpgroup per 64-row
-// tile, epilogues under the other's mainloop). Read at each call: an experiment's switch while the two are measured.
-bool pingpong_schedule() {
+// The schedule of a grouped GEMM launch: cooperative (two warpgroups on a 128-row tile) or
+// ping-pong (one warpgroup per 64-row tile, its epilogue under the other's mainloop). Each launch
+// names the one measured faster for it (bench.gemms, session 9, 6 presets x 3 sizes on one H200):
+// the dgrad's dh launch, whose SwiGLU backward epilogue is latency-bound, ran 14-28% faster
+// ping-pong; the forward's gate|up and down ran up to 16% slower. MOK_EXPERT_SCHEDULE=cooperative
+// or pingpong forces one schedule on all three, read at each call (the benchmark's A/B switch).
+enum class Schedule { cooperative, pingpong };
+
+bool pingpong(Schedule preferred) {
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
-  return v != nullptr && std::strcmp(v, "pingpong") == 0;
+  if (v == nullptr || *v == '\0') return preferred == Schedule::pingpong;
+  if (std::strcmp(v, "pingpong") == 0) return true;
+  if (std::strcmp(v, "cooperative") == 0) return false;
+  throw std::invalid_argument(std::string("mok cuda: MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") +
+                              v + "'");
 }
 
 template <class Mainloop, class Epilogue>
@@ -168,7 +178,7 @@ void down_projection_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
 void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  if (pingpong_schedule()) {
+  if (pingpong(Schedule::cooperative)) {
     gate_up_swiglu_rows<detail::kPingPongRows>(a, stream);
   } else {
     gate_up_swiglu_rows<GemmConfig::kBlockM>(a, stream);
@@ -178,7 +188,7 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
 void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
   require(a);
   if (a.row_capacity == 0) return;
-  if (pingpong_schedule()) {
+  if (pingpong(Schedule::cooperative)) {
     down_projection_rows<detail::kPingPongRows>(a, stream);
   } else {
     down_projection_rows<GemmConfig::kBlockM>(a, stream);
@@ -209,7 +219,7 @@ void dh_swiglu_backward_launch(const ExpertsBackwardArgs& a, cudaStream_t stream
   const int64_t R = a.row_capacity, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
   // dh = dy * W_down, SwiGLU backward in the epilogue, then d row weight from its partials.
-  if (pingpong_schedule()) {
+  if (pingpong(Schedule::pingpong)) {
     dh_swiglu_backward_rows<detail::kPingPongRows>(a, stream);
   } else {
     dh_swiglu_backward_rows<GemmConfig::kBlockM>(a, stream);

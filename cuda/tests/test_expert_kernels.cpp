@@ -292,9 +292,10 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     }
   }
 
-  // The ping-pong schedule of the dh launch (one warpgroup per 64-row tile, the SwiGLU backward
-  // under the other's mainloop): the same bits, on every SM and then on 3 CTAs (many tiles each).
-  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+  // The dh launch's other schedule: ping-pong (one warpgroup per 64-row tile, the SwiGLU backward
+  // under the other's mainloop) is its default, cooperative (128-row tiles) the same bits, on
+  // every SM and then on 3 CTAs (many tiles each).
+  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1), 0);
   for (int run = 0; run < 2; ++run) {
     a.num_sms = run == 0 ? 0 : 3;
     ddx.poison();
@@ -309,14 +310,14 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     unsetenv("MOK_EXPERT_SCHEDULE");
     CUDA_OK(done);
     ASSERT_EQ(dstatus.download()[0], 0);
-    EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "ping-pong dg|du differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "ping-pong w*h differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "ping-pong dx differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "ping-pong d_row_weight differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "ping-pong dW_gate differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "ping-pong dW_up differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "ping-pong dW_down differs (run " << run << ")";
-    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
+    EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "cooperative dg|du differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "cooperative w*h differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "cooperative dx differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "cooperative d_row_weight differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "cooperative dW_gate differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "cooperative dW_up differs (run " << run << ")";
+    EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "cooperative dW_down differs (run " << run << ")";
+    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1), 0);
   }
   a.num_sms = 0;
 

@@ -2,8 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "mok/cuda/expert_kernels.h"
 #include "mok/cuda/megakernel.h"
 
 namespace mok::cuda {
@@ -24,6 +28,49 @@ void expect_slot_limit() {
 TEST(MegakernelChecks, CombineSlotsPastTwoToThe24AreRefusedByName) {
   expect_slot_limit<MoeForwardArgs>();
   expect_slot_limit<MoeBackwardArgs>();
+}
+
+// MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
+// cooperative or pingpong; anything else is refused by name before a kernel is launched (the
+// arguments point at host memory: a launch would fail with a CUDA error instead).
+TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
+  std::vector<uint16_t> rows(128 * 64);
+  std::vector<int32_t> offsets{0, 128};
+  ExpertsForwardArgs f;
+  f.row_capacity = 128;
+  f.hidden = f.intermediate = 64;
+  f.local_experts = 1;
+  f.expert_offsets = offsets.data();
+  f.x = f.w_gate = f.w_up = f.w_down = rows.data();
+  f.h = f.y = rows.data();
+  ASSERT_EQ(can_implement(f), "");
+  ExpertsBackwardArgs b;
+  b.row_capacity = 128;
+  b.hidden = b.intermediate = 64;
+  b.local_experts = 1;
+  b.expert_offsets = offsets.data();
+  b.x = b.gu = b.h = b.dy = b.w_gate = b.w_up = b.w_down = rows.data();
+  b.dgu = b.hw = b.dx = b.d_w_gate = b.d_w_up = b.d_w_down = rows.data();
+  b.row_weight = b.dw_partial = b.d_row_weight = reinterpret_cast<float*>(rows.data());
+  ASSERT_EQ(can_implement(b), "");
+  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong2", 1), 0);
+  const auto refused = [](auto&& call) {
+    try {
+      call();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not refused by name: ") + e.what();
+    }
+    return std::string("not refused");
+  };
+  const std::string forward = refused([&] { experts_forward(f, nullptr); });
+  const std::string backward = refused([&] { experts_backward(b, nullptr); });
+  unsetenv("MOK_EXPERT_SCHEDULE");
+  for (const std::string& what : {forward, backward}) {
+    EXPECT_NE(what.find("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"), std::string::npos)
+        << what;
+  }
 }
 
 }  // namespace
