@@ -202,12 +202,13 @@ if has sweep_2gpu; then
   # entry: MOK_SWEEP_PLANS="comm=8;default;default NCCL_DEBUG=INFO" (a plan or
   # "default", then optional VAR=value settings for that run), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS;
   # MOK_SWEEP_PROFILE=1: each timed pass's kernels by device time (torch profiler) under profile_<plan>/.
+  # MOK_SWEEP_TIMEOUT: seconds one torchrun may take (default 200).
   IFS=';' read -ra entries <<< "${MOK_SWEEP_PLANS:-}"
   for entry in "${entries[@]}"; do
     read -r plan settings <<< "$entry"
     [ "$plan" = "default" ] && plan=""  # the planner's choices
     tag="$(echo "$entry" | tr ',= ' '___')"
-    env ${settings:-} MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left 200)" torchrun --standalone --nproc-per-node=2 -m bench.run \
+    env ${settings:-} MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left "${MOK_SWEEP_TIMEOUT:-200}")" torchrun --standalone --nproc-per-node=2 -m bench.run \
       --cases "${MOK_SWEEP_CASES:-baselines_2gpu:tokens=8192,routing=balanced}" --impls "${MOK_SWEEP_IMPLS:-mok,mok_gemms}" \
       --passes "${MOK_SWEEP_PASSES:-forward}" --out "$LOGS/sweep_$tag.json" --iter-budget-s 0.5 \
       ${MOK_SWEEP_PROFILE:+--profile "$LOGS/profile_$tag"} > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $entry exited non-zero"; }
