@@ -598,7 +598,7 @@ TEST_P(RoutingRows, GatherAndScatterMatchTheCpuBitwise) {
       ASSERT_TRUE(untouched(linked_rows, uint16_t{0xffff}, M * H, "gathered rows (token links)"));
       ASSERT_TRUE(same_bits(linked_w, row_w_ref, "gathered row weights (token links)", 0, M));
       ASSERT_TRUE(untouched(linked_w, nan_poison, M, "gathered row weights (token links)"));
-      if (run == 0) std::printf("[ %s ] dest %lld: %lld of %zu rows copied from their token's first row\n", c.name,
+      if (run == 0) std::printf("[ %s ] dest %lld: %lld of %zu rows copied from their token's first row\n", c.name.c_str(),
                                 static_cast<long long>(dest), static_cast<long long>(copies), M);
     }
     for (int64_t r = 0; r < R; ++r) {
