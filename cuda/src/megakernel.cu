@@ -179,6 +179,11 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.offsets = a.expert_offsets;
   p.src_rank = a.src_rank;
   p.src_slot = a.src_slot;
+  // Comm CTAs copy rows from their token's first row where no ring slot is reused (comm warps
+  // cannot: megakernel_forward.cuh, pull_minibatches_once).
+  p.row_first = comm > 0 && ring_rows >= a.row_capacity && a.token_links != nullptr
+                    ? token_first_rows(a.token_links, a.row_capacity)
+                    : nullptr;
   p.ring_x = static_cast<uint4*>(ring_x);
   p.x_ready = a.counters + counters.x_ready();
   p.y_done = a.counters + counters.y_done();
@@ -196,6 +201,15 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   }
 }
 
+}  // namespace
+
+namespace {
+// Whether the buffers' token links are wired (each token read once per rank): yes unless
+// MOK_TOKEN_LINKS=0, a measurement switch (the same bits either way).
+bool token_links_wanted() {
+  const char* v = std::getenv("MOK_TOKEN_LINKS");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 }  // namespace
 
 FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
@@ -220,6 +234,7 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
   o_.rows = take(El * 4);
   o_.src_rank = take(cap * 4);
   o_.src_slot = take(cap * 4);
+  o_.links = take(token_link_words(shape, cap) * 4);
   o_.workspace = take(schedule_workspace_bytes(shape));
   o_.routing_status = take(sizeof(RoutingStatus));
   o_.ring_x = take(ring_rows * H * 2);
@@ -261,6 +276,7 @@ void FusedBuffers::wire(MoeForwardArgs& a) const {
   a.expert_rows = static_cast<int32_t*>(at(o_.rows));
   a.src_rank = static_cast<int32_t*>(at(o_.src_rank));
   a.src_slot = static_cast<int32_t*>(at(o_.src_slot));
+  a.token_links = token_links_wanted() ? static_cast<uint32_t*>(at(o_.links)) : nullptr;
   a.row_capacity = capacity_;
   a.schedule_workspace = at(o_.workspace);
   a.routing_status = routing_status();
@@ -282,6 +298,7 @@ void FusedBuffers::wire(MoeBackwardArgs& b) const {
   b.src_rank = static_cast<const int32_t*>(at(o_.src_rank));
   b.src_slot = static_cast<const int32_t*>(at(o_.src_slot));
   b.row_capacity = capacity_;
+  b.token_links = token_links_wanted() ? static_cast<uint32_t*>(at(o_.links)) : nullptr;
   b.minibatch_rows = minibatch_rows_;
   b.counters = static_cast<uint32_t*>(at(o_.counters));
   if (ring_rows_ >= capacity_) {  // every row kept at its schedule position
@@ -396,7 +413,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   c.slots = SymmetricLayout::at<const void>(mine, l.combine);
   c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
   c.y = a.y;
-  for (const std::string& why : {can_implement(sa), can_implement(c)})
+  const ScheduleView schedule{El, a.row_capacity, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
+  for (const std::string& why : {can_implement(sa), can_implement(c),
+                                 a.token_links ? can_implement_links(shape, schedule, a.token_links) : ""})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
   // 0. This rank's x and topk_w are finite (else every rank's non-finite key names the element;
@@ -415,8 +434,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(shape, H, I, a.swiglu_limit, /*pass=*/1));
 
-  // 2. This rank's schedule from every rank's topk_idx.
+  // 2. This rank's schedule from every rank's topk_idx, and its token links (each token pulled once).
   build_schedule(sa, stream);
+  if (a.token_links != nullptr) link_token_rows(shape, schedule, a.token_links, stream);
 
   // 3. The megakernel.
   const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
@@ -552,6 +572,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   g.shape = shape;
   g.hidden = H;
   g.schedule = view;
+  g.schedule.row_link = a.token_links;
   g.x = dy_table;
   g.rows = a.dy_rows;
   g.topk_w = w_table;
@@ -600,7 +621,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
   dg.dx = a.dx;
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
-                                 can_implement(dg)})
+                                 can_implement(dg),
+                                 a.token_links ? can_implement_links(shape, view, a.token_links) : ""})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);
@@ -612,6 +634,9 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   unsigned long long* keys[kMaxRanks];
   non_finite_keys(a.bases, l, R, keys);
   check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, keys, R, stream);
+
+  // The schedule's token links (local): dy is then read once per token.
+  if (a.token_links != nullptr) link_token_rows(shape, view, a.token_links, stream);
 
   // 1. Every rank's dy and topk_w are in its symmetric buffer, and every rank makes this call.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,

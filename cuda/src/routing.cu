@@ -108,7 +108,7 @@ void require(const Args& a, const char* what) {
 
 detail::ScheduleRows schedule_rows(const ScheduleView& v) {
   return {static_cast<int32_t>(v.local_experts), static_cast<int32_t>(v.row_capacity), v.expert_offsets,
-          v.src_rank, v.src_slot, v.given_up_words, v.given_up_epoch};
+          v.src_rank, v.src_slot, v.given_up_words, v.given_up_epoch, v.row_link};
 }
 
 // Blocks of kRowsThreads for `items` warp- or thread-sized items, at most `per_sm` blocks per SM.
@@ -339,6 +339,36 @@ void gather_rows(const GatherArgs& a, cudaStream_t stream) {
   check(cudaGetLastError(), "launch gather_rows");
 }
 
+int64_t token_link_words(const RoutingShape& shape, int64_t row_capacity) {
+  return 2 * row_capacity + shape.ranks * shape.slots();
+}
+
+std::string can_implement_links(const RoutingShape& shape, const ScheduleView& schedule, const uint32_t* links) {
+  std::ostringstream why;
+  check_shape(shape, why);
+  check_view(schedule, why);
+  if (links == nullptr) why << "links must not be null; ";
+  return finish(why);
+}
+
+void link_token_rows(const RoutingShape& shape, const ScheduleView& schedule, uint32_t* links, cudaStream_t stream) {
+  if (const std::string why = can_implement_links(shape, schedule, links); !why.empty())
+    throw std::invalid_argument("mok cuda link_token_rows: " + why);
+  if (schedule.row_capacity == 0) return;
+  int32_t* row_first = reinterpret_cast<int32_t*>(links + schedule.row_capacity);
+  int32_t* row_of_slot = row_first + schedule.row_capacity;
+  check(cudaMemsetAsync(row_of_slot, 0xff, size_t(shape.ranks * shape.slots()) * sizeof(int32_t), stream),
+        "clear the token links' scratch");
+  const detail::ScheduleRows rows = schedule_rows(schedule);
+  const int ranks = static_cast<int>(shape.ranks), slots = static_cast<int>(shape.slots());
+  const int grid = rows_grid(schedule.row_capacity, detail::kRowsThreads, 0, 4);
+  detail::invert_schedule_kernel<<<grid, detail::kRowsThreads, 0, stream>>>(rows, ranks, slots, row_of_slot);
+  check(cudaGetLastError(), "launch invert_schedule_kernel");
+  detail::link_rows_kernel<<<grid, detail::kRowsThreads, 0, stream>>>(rows, ranks, slots, static_cast<int>(shape.topk),
+                                                                      row_of_slot, links, row_first);
+  check(cudaGetLastError(), "launch link_rows_kernel");
+}
+
 std::string can_implement(const ScatterArgs& a) {
   std::ostringstream why;
   check_shape(a.shape, why);
@@ -460,6 +490,8 @@ void preload_routing_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::schedule_offsets_kernel), "load schedule kernels");
   check(cudaFuncGetAttributes(&attr, detail::schedule_place_kernel), "load schedule kernels");
   check(cudaFuncGetAttributes(&attr, detail::gather_rows_kernel), "load row kernels");
+  check(cudaFuncGetAttributes(&attr, detail::invert_schedule_kernel), "load row kernels");
+  check(cudaFuncGetAttributes(&attr, detail::link_rows_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::scatter_rows_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::scatter_row_values_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::epilogue_kernel<true>), "load epilogue kernels");

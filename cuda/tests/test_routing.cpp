@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -559,6 +560,46 @@ TEST_P(RoutingRows, GatherAndScatterMatchTheCpuBitwise) {
       float nan_poison;
       std::memset(&nan_poison, 0xff, sizeof nan_poison);
       ASSERT_TRUE(untouched(row_w, nan_poison, M, "gathered row weights"));
+
+      // With the token links, each token is read once and written into all of its rows: the
+      // links as the CPU finds them (next row of the same (rank, token) + 1, bit 31 on all but
+      // its first row; the first row), and the same rows and weights, on poisoned buffers.
+      DeviceBuffer<uint32_t> links(cuda::token_link_words(shape, cap));
+      links.poison(0x7f);
+      ASSERT_EQ(cuda::can_implement_links(shape, ds.view(), links.ptr), "");
+      cuda::link_token_rows(shape, ds.view(), links.ptr, nullptr);
+      drows.poison(0xff);
+      drow_w.poison(0xff);
+      g.schedule.row_link = links.ptr;
+      cuda::gather_rows(g, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> token_rows;  // (rank, token) -> rows, ascending
+      for (size_t i = 0; i < M; ++i)
+        if (!s.rows[i].is_padding()) token_rows[{s.rows[i].src_rank, int32_t(s.rows[i].src_slot / k)}].push_back(i);
+      std::vector<uint32_t> links_ref(M, 0u);
+      std::vector<int32_t> first_ref(M, -1);
+      int64_t copies = 0;
+      for (const auto& [token, rows_of] : token_rows) {
+        for (size_t n = 0; n < rows_of.size(); ++n) {
+          links_ref[rows_of[n]] = (n + 1 < rows_of.size() ? uint32_t(rows_of[n + 1] + 1) : 0u) |
+                                  (n > 0 ? cuda::kLinkNotFirst : 0u);
+          first_ref[rows_of[n]] = int32_t(rows_of[0]);
+        }
+        copies += int64_t(rows_of.size()) - 1;
+      }
+      const auto got_links = links.download();
+      ASSERT_TRUE(same_bits(std::vector<uint32_t>(got_links.begin(), got_links.begin() + M), links_ref, "row links"));
+      std::vector<int32_t> got_first(M);
+      std::memcpy(got_first.data(), got_links.data() + cap, M * sizeof(int32_t));
+      ASSERT_TRUE(same_bits(got_first, first_ref, "token first rows"));
+      const auto linked_rows = drows.download();
+      const auto linked_w = drow_w.download();
+      ASSERT_TRUE(same_bits(linked_rows, to_bits(rows_ref), "gathered rows (token links)", 0, M * H));
+      ASSERT_TRUE(untouched(linked_rows, uint16_t{0xffff}, M * H, "gathered rows (token links)"));
+      ASSERT_TRUE(same_bits(linked_w, row_w_ref, "gathered row weights (token links)", 0, M));
+      ASSERT_TRUE(untouched(linked_w, nan_poison, M, "gathered row weights (token links)"));
+      if (run == 0) std::printf("[ %s ] dest %lld: %lld of %zu rows copied from their token's first row\n", c.name.c_str(),
+                                static_cast<long long>(dest), static_cast<long long>(copies), M);
     }
     for (int64_t r = 0; r < R; ++r) {
       SCOPED_TRACE("source rank " + std::to_string(r));

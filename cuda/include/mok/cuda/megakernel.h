@@ -51,6 +51,10 @@ struct MoeForwardArgs {
   int64_t row_capacity = 0;           // >= routed_row_capacity(shape)
   void* schedule_workspace = nullptr; // schedule_workspace_bytes(shape)
   RoutingStatus* routing_status = nullptr;  // sticky: an out-of-range expert id
+  // Optional, token_link_words(shape, row_capacity) words: the call links its schedule's rows of
+  // each token into it (routing.h: link_token_rows), and where the ring holds every row the pull
+  // then reads each token once per rank, however many of its k slots this rank holds.
+  uint32_t* token_links = nullptr;
   // The ring: S = ring_rows / minibatch_rows slots of one minibatch each.
   int64_t minibatch_rows = 0;  // a multiple of 128
   int64_t ring_rows = 0;       // a multiple of minibatch_rows
@@ -92,6 +96,7 @@ struct MoeBackwardArgs {
   const int32_t* src_rank = nullptr;
   const int32_t* src_slot = nullptr;
   int64_t row_capacity = 0;
+  uint32_t* token_links = nullptr; // optional, as in MoeForwardArgs: dy read once per token and rank
   int64_t minibatch_rows = 0;      // the backward megakernel's minibatch (a multiple of 128)
   uint32_t* counters = nullptr;    // megakernel_counter_words(row_capacity, minibatch_rows) words
   const void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x)
@@ -162,7 +167,7 @@ class FusedBuffers {
 
  private:
   struct Offsets {
-    int64_t offsets, rows, src_rank, src_slot, workspace, routing_status, ring_x, ring_h, counters, status;
+    int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status;
     int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }

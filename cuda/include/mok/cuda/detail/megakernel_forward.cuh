@@ -138,6 +138,8 @@ struct MegaPassParams {
   const int32_t* src_rank;
   const int32_t* src_slot;
   uint4* ring_x;                     // [ring_rows, H]: the pulled rows
+  const int32_t* row_first;          // optional: each row's token's first row on this rank
+                                     // (routing.h: link_token_rows); null unless the ring holds every row
   uint32_t* x_ready;                 // [max minibatches]
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
@@ -300,6 +302,75 @@ __device__ __forceinline__ const uint4* source_row(const Params& p, int r) {
   return p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
 }
 
+// One warp copies schedule row r into its ring row `dst` (one warp per row, kUnroll 16-byte loads
+// in flight per lane: peer reads are long; padding rows are zeros), and its router weight where
+// the pass pulls them. `from` is where its token lies when not at its rank: the ring row of the
+// token's first row on this rank, pulled in an earlier minibatch (else null).
+template <int kUnroll, class Params>
+__device__ __forceinline__ void pull_row(const Params& p, int r, uint4* dst, int lane, const uint4* from) {
+  const bool token = is_token_row(p, r);
+  if constexpr (Params::kPullsRowWeights) {  // the router weight of the row (0 for padding)
+    if (lane == 0) p.row_weight[r] = token ? p.topk_w[p.src_rank[r]][p.src_slot[r]] : 0.0f;
+  }
+  dst += lane;
+  if (token && !MOK_SKIPS(p, kSkipPull)) {
+    // The lane's pieces lane, lane + 32, ...: `left` counts them down (fewer live registers than
+    // indices, for the comm warps' 40).
+    const uint4* src = (from != nullptr ? from : source_row(p, r)) + lane;
+    for (int left = p.row_vectors - lane; left > 0; left -= 32 * kUnroll) {
+      uint4 part[kUnroll];
+      CUTE_UNROLL
+      for (int u = 0; u < kUnroll; ++u)
+        if (32 * u < left) part[u] = src[32 * u];
+      CUTE_UNROLL
+      for (int u = 0; u < kUnroll; ++u)
+        if (32 * u < left) dst[32 * u] = part[u];
+      src += 32 * kUnroll;
+      dst += 32 * kUnroll;
+    }
+  } else if (!token) {
+    dst -= lane;
+    for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
+  }
+}
+
+// The team has written its rows of minibatch b (sync), and the leader counts it in x_ready[b].
+template <class Params, class Sync>
+__device__ __forceinline__ void count_pulled(const Params& p, int b, bool leader, Sync sync) {
+  sync();
+  if (leader) {
+    __threadfence();
+    fence_proxy_async();  // the gate/up tiles read them with TMA
+    add_release_gpu(&p.x_ready[b], 1);
+  }
+}
+
+// The pull of comm CTAs where p.row_first is set (only where the ring holds every row: ring row =
+// schedule row, no slot reused): a row whose token's first row on this rank lies in an earlier
+// minibatch is copied from that ring row instead of read from its rank again, once every team
+// has counted that minibatch (else it is read): a token crosses NVLink about once per rank and
+// minibatch (rows of one token in the same minibatch are each read: the team's warps have no
+// order between them). Comm CTAs only: in the comm warps' 40 registers every form of it spilled
+// (a wait per copied row or per minibatch, first rows copying themselves forward, this one).
+template <int kUnroll, class Params, class Sync>
+__device__ void pull_minibatches_once(const Params& p, int used, int first, int stride, int warp, bool leader,
+                                      Sync sync) {
+  const int lane = threadIdx.x % 32;
+  const int minibatches = (used + p.mb_rows - 1) / p.mb_rows;
+  for (int b = 0; b < minibatches; ++b) {
+    const int row0 = b * p.mb_rows, row1 = min(row0 + p.mb_rows, used);
+    for (int r = row0 + first + warp; r < row1; r += stride) {
+      // Each lane acquires the count before its own loads of the first row; the teams go at one
+      // pace, so that minibatch is almost always counted.
+      const int f = p.row_first[r];
+      const bool copy = f >= 0 && f < row0 && ld_acquire_gpu(&p.x_ready[f / p.mb_rows]) >= pulling_teams(p);
+      pull_row<kUnroll>(p, r, p.ring_x + int64_t(r) * p.row_vectors, lane,
+                        copy ? p.ring_x + int64_t(f) * p.row_vectors : nullptr);
+    }
+    count_pulled(p, b, leader, sync);
+  }
+}
+
 // The pull loop of a team of warps: for each minibatch b, the leader waits until b's ring slot is
 // free, then warp w of the team copies schedule rows row0 + first + w, + stride, ... of b (one warp
 // per row, kUnroll 16-byte loads in flight per lane: peer reads are long; padding rows are zeros),
@@ -365,8 +436,12 @@ template <class Params>
 __device__ void dispatch_role(const Params& p) {
   const int warps = blockDim.x / 32;
   const int used = waits_abandoned(p.status) ? 0 : scheduled_rows(p);
-  pull_minibatches<8>(p, used, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0,
-                      [] { __syncthreads(); });
+  const auto sync = [] { __syncthreads(); };
+  if (p.row_first != nullptr) {
+    pull_minibatches_once<8>(p, used, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0, sync);
+  } else {
+    pull_minibatches<8>(p, used, blockIdx.x * warps, p.comm_ctas * warps, threadIdx.x / 32, threadIdx.x == 0, sync);
+  }
 }
 
 // Comm warps: warps 1..3 of compute CTA `cta` of `ctas` (warp 0 issues the TMA loads). They run

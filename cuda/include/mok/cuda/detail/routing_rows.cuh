@@ -25,6 +25,7 @@ struct ScheduleRows {
   const int32_t* src_slot;
   const int32_t* given_up_words;  // optional (routing.h: ScheduleView)
   uint32_t given_up_epoch;
+  const uint32_t* row_link;       // optional (routing.h: ScheduleView)
 };
 
 // Rows [0, offsets[El]) of the schedule, never past its capacity; none when the call was given up.
@@ -41,6 +42,42 @@ struct RowSource {
 __device__ __forceinline__ RowSource row_source(const ScheduleRows& s, int row, int ranks, int slots) {
   const int rank = s.src_rank[row], slot = s.src_slot[row];
   return {rank, slot, rank >= 0 && rank < ranks && slot >= 0 && slot < slots};
+}
+
+// link_token_rows, step 1: row_of_slot[rank * slots + slot] = row for every real row (the buffer
+// was set to -1 first).
+__global__ void invert_schedule_kernel(const __grid_constant__ ScheduleRows s, int ranks, int slots,
+                                       int32_t* row_of_slot) {
+  const int rows = scheduled_rows(s);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {
+    const RowSource src = row_source(s, i, ranks, slots);
+    if (src.valid) row_of_slot[int64_t(src.rank) * slots + src.slot] = i;
+  }
+}
+
+// Step 2: each row's link and its token's first row, from the rows of the token's k slots (a
+// thread per row).
+__global__ void link_rows_kernel(const __grid_constant__ ScheduleRows s, int ranks, int slots, int topk,
+                                 const int32_t* row_of_slot, uint32_t* row_link, int32_t* row_first) {
+  const int rows = scheduled_rows(s);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {
+    const RowSource src = row_source(s, i, ranks, slots);
+    uint32_t link = 0;
+    int lowest = -1;
+    if (src.valid) {
+      const int32_t* token = row_of_slot + int64_t(src.rank) * slots + (src.slot - src.slot % topk);
+      int next = -1;
+      lowest = i;
+      for (int j = 0; j < topk; ++j) {
+        const int q = token[j];
+        if (q >= 0 && q < lowest) lowest = q;
+        if (q > i && (next < 0 || q < next)) next = q;
+      }
+      link = uint32_t(next + 1) | (lowest == i ? 0u : kLinkNotFirst);
+    }
+    row_link[i] = link;
+    row_first[i] = lowest;
+  }
 }
 
 struct GatherParams {
@@ -62,11 +99,23 @@ __global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
   const int64_t width = p.row_vectors;
   for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < rows; i += warps) {
     const RowSource src = row_source(p.schedule, i, p.ranks, p.slots);
+    // With token links, a token's first row reads it and writes its other rows (and their router
+    // weights); they are skipped here.
+    const uint32_t link = src.valid && p.schedule.row_link != nullptr ? p.schedule.row_link[i] : 0u;
+    if (link & kLinkNotFirst) continue;  // warp-uniform
     uint4* out = p.rows + i * width;
     if (src.valid) {
       const uint4* in = p.x[src.rank] + (src.slot / p.topk) * width;
 #pragma unroll 4
       for (int64_t v = lane; v < width; v += 32) out[v] = in[v];
+      // Each lane copies back the pieces it wrote itself (program order makes them visible).
+      for (uint32_t next = link & kLinkNext; next != 0; next = p.schedule.row_link[next - 1] & kLinkNext) {
+        const int q = int(next - 1);
+        uint4* copy = p.rows + q * width;
+#pragma unroll 4
+        for (int64_t v = lane; v < width; v += 32) copy[v] = out[v];
+        if (lane == 0 && p.row_weights != nullptr) p.row_weights[q] = p.topk_w[src.rank][p.schedule.src_slot[q]];
+      }
     } else {
 #pragma unroll 4
       for (int64_t v = lane; v < width; v += 32) out[v] = make_uint4(0, 0, 0, 0);
