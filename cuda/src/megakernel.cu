@@ -414,8 +414,10 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
   c.y = a.y;
   const ScheduleView schedule{El, a.row_capacity, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
+  // The token links serve only the comm CTAs' copies (wire_pass: the comm warps read every row).
+  const bool links = a.token_links != nullptr && comm > 0 && a.ring_rows >= a.row_capacity;
   for (const std::string& why : {can_implement(sa), can_implement(c),
-                                 a.token_links ? can_implement_links(shape, schedule, a.token_links) : ""})
+                                 links ? can_implement_links(shape, schedule, a.token_links) : ""})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
   // 0. This rank's x and topk_w are finite (else every rank's non-finite key names the element;
@@ -436,7 +438,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
 
   // 2. This rank's schedule from every rank's topk_idx, and its token links (each token pulled once).
   build_schedule(sa, stream);
-  if (a.token_links != nullptr) link_token_rows(shape, schedule, a.token_links, stream);
+  if (links) link_token_rows(shape, schedule, a.token_links, stream);
 
   // 3. The megakernel.
   const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
@@ -572,7 +574,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   g.shape = shape;
   g.hidden = H;
   g.schedule = view;
-  g.schedule.row_link = a.token_links;
+  // The token links serve the stage kernels' gather (the backward megakernel's comm warps read
+  // every row).
+  const bool links = a.token_links != nullptr && !(a.fused && cap > 0);
+  g.schedule.row_link = links ? a.token_links : nullptr;
   g.x = dy_table;
   g.rows = a.dy_rows;
   g.topk_w = w_table;
@@ -622,7 +627,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.dx = a.dx;
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg),
-                                 a.token_links ? can_implement_links(shape, view, a.token_links) : ""})
+                                 links ? can_implement_links(shape, view, a.token_links) : ""})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);
@@ -636,7 +641,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, keys, R, stream);
 
   // The schedule's token links (local): dy is then read once per token.
-  if (a.token_links != nullptr) link_token_rows(shape, view, a.token_links, stream);
+  if (links) link_token_rows(shape, view, a.token_links, stream);
 
   // 1. Every rank's dy and topk_w are in its symmetric buffer, and every rank makes this call.
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
