@@ -51,9 +51,10 @@ struct MoeForwardArgs {
   int64_t row_capacity = 0;           // >= routed_row_capacity(shape)
   void* schedule_workspace = nullptr; // schedule_workspace_bytes(shape)
   RoutingStatus* routing_status = nullptr;  // sticky: an out-of-range expert id
-  // Optional, token_link_words(shape, row_capacity) words: the call links its schedule's rows of
-  // each token into it (routing.h: link_token_rows), and where the ring holds every row the pull
-  // then reads each token once per rank, however many of its k slots this rank holds.
+  // Optional, token_link_words(shape, row_capacity) words: with comm CTAs (comm_ctas > 0) and a
+  // ring holding every row, the call links its schedule's rows of each token into it (routing.h:
+  // link_token_rows) and the comm CTAs copy a row from its token's first row on this rank instead
+  // of reading it from its rank again. (The comm warps read every row: megakernel_forward.cuh.)
   uint32_t* token_links = nullptr;
   // The ring: S = ring_rows / minibatch_rows slots of one minibatch each.
   int64_t minibatch_rows = 0;  // a multiple of 128
@@ -96,7 +97,8 @@ struct MoeBackwardArgs {
   const int32_t* src_rank = nullptr;
   const int32_t* src_slot = nullptr;
   int64_t row_capacity = 0;
-  uint32_t* token_links = nullptr; // optional, as in MoeForwardArgs: dy read once per token and rank
+  uint32_t* token_links = nullptr; // optional, as in MoeForwardArgs: the stage kernels' gather then
+                                   // reads dy once per token and rank (not the backward megakernel)
   int64_t minibatch_rows = 0;      // the backward megakernel's minibatch (a multiple of 128)
   uint32_t* counters = nullptr;    // megakernel_counter_words(row_capacity, minibatch_rows) words
   const void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x)
