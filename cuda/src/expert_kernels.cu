@@ -59,15 +59,22 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
 // the dgrad's dh launch, whose SwiGLU backward epilogue is latency-bound, ran 14-28% faster
 // ping-pong; the forward's gate|up and down ran up to 16% slower. MOK_EXPERT_SCHEDULE=cooperative
 // or pingpong forces one schedule on all three, read at each call (the benchmark's A/B switch).
+// can_implement reports a bad value, so the megakernel's stage kernels refuse it before their first
+// launch; the launchers check again (the variable may change in between).
 enum class Schedule { cooperative, pingpong };
 
+std::string schedule_problem() {
+  const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "pingpong") == 0 || std::strcmp(v, "cooperative") == 0) return "";
+  return std::string("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") + v + "'; ";
+}
+
 bool pingpong(Schedule preferred) {
+  if (const std::string why = schedule_problem(); !why.empty())
+    throw std::invalid_argument("mok cuda: " + host_util::trimmed(why));
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
   if (v == nullptr || *v == '\0') return preferred == Schedule::pingpong;
-  if (std::strcmp(v, "pingpong") == 0) return true;
-  if (std::strcmp(v, "cooperative") == 0) return false;
-  throw std::invalid_argument(std::string("mok cuda: MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") +
-                              v + "'");
+  return std::strcmp(v, "pingpong") == 0;
 }
 
 template <class Mainloop, class Epilogue>
@@ -117,6 +124,7 @@ std::string can_implement(const ExpertsForwardArgs& a) {
   why << common_checks(a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
   if (a.x == nullptr || a.w_gate == nullptr || a.w_up == nullptr || a.w_down == nullptr || a.h == nullptr || a.y == nullptr)
     why << "x, w_gate, w_up, w_down, h and y must not be null; ";
+  why << schedule_problem();
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   return trimmed(why.str());
 }
@@ -127,6 +135,7 @@ std::string can_implement(const ExpertsBackwardArgs& a) {
   if (!a.x || !a.gu || !a.h || !a.dy || !a.row_weight || !a.w_gate || !a.w_up || !a.w_down || !a.dgu || !a.hw ||
       !a.dw_partial || !a.dx || !a.d_row_weight || !a.d_w_gate || !a.d_w_up || !a.d_w_down)
     why << "every pointer of ExpertsBackwardArgs must be set; ";
+  why << schedule_problem();
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   return trimmed(why.str());
 }

@@ -31,8 +31,8 @@ TEST(MegakernelChecks, CombineSlotsPastTwoToThe24AreRefusedByName) {
 }
 
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
-// cooperative or pingpong; anything else is refused by name before a kernel is launched (the
-// arguments point at host memory: a launch would fail with a CUDA error instead).
+// cooperative or pingpong; anything else is refused by name, by can_implement and before a kernel
+// is launched (the arguments point at host memory: a launch would fail with a CUDA error instead).
 TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   std::vector<uint16_t> rows(128 * 64);
   std::vector<int32_t> offsets{0, 128};
@@ -66,8 +66,10 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   };
   const std::string forward = refused([&] { experts_forward(f, nullptr); });
   const std::string backward = refused([&] { experts_backward(b, nullptr); });
+  // can_implement names it too: the megakernel's stage kernels refuse it before any launch.
+  const std::string checked_forward = can_implement(f), checked_backward = can_implement(b);
   unsetenv("MOK_EXPERT_SCHEDULE");
-  for (const std::string& what : {forward, backward}) {
+  for (const std::string& what : {forward, backward, checked_forward, checked_backward}) {
     EXPECT_NE(what.find("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"), std::string::npos)
         << what;
   }
