@@ -32,6 +32,13 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
+// MOK_EXPERT_SCHEDULE set for a scope, and unset again however the scope ends.
+struct ScheduleEnv {
+  explicit ScheduleEnv(const char* schedule) { ok = setenv("MOK_EXPERT_SCHEDULE", schedule, 1) == 0; }
+  ~ScheduleEnv() { unsetenv("MOK_EXPERT_SCHEDULE"); }
+  bool ok;
+};
+
 class ExpertKernels : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
@@ -122,21 +129,21 @@ TEST_P(ExpertKernels, ForwardMatchesTheReferenceAndIsDeterministic) {
   // The ping-pong schedule (one warpgroup per 64-row tile) reduces every output in the same k
   // order: the same bits, on every SM and then on 3 CTAs (many tiles each: both warpgroups take
   // turns many times).
-  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
   for (int run = 0; run < 2; ++run) {
     a.num_sms = run == 0 ? 0 : 3;
     dgu.poison();
     dh.poison();
     dy.poison();
-    cuda::experts_forward(a, nullptr);
-    const cudaError_t done = cudaDeviceSynchronize();
-    unsetenv("MOK_EXPERT_SCHEDULE");
-    CUDA_OK(done);
+    {
+      const ScheduleEnv env("pingpong");
+      ASSERT_TRUE(env.ok);
+      cuda::experts_forward(a, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
     ASSERT_EQ(dstatus.download()[0], 0);
     EXPECT_EQ(first_bit_difference(dgu.download(), first_gu), -1) << "ping-pong gu differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dh.download(), first_h), -1) << "ping-pong h differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dy.download(), first_y), -1) << "ping-pong y differs (run " << run << ")";
-    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong", 1), 0);
   }
 }
 
@@ -295,7 +302,6 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   // The dh launch's other schedule: ping-pong (one warpgroup per 64-row tile, the SwiGLU backward
   // under the other's mainloop) is its default, cooperative (128-row tiles) the same bits, on
   // every SM and then on 3 CTAs (many tiles each).
-  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1), 0);
   for (int run = 0; run < 2; ++run) {
     a.num_sms = run == 0 ? 0 : 3;
     ddx.poison();
@@ -305,10 +311,12 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     dWd.poison();
     dgu.poison();
     dhw.poison();
-    cuda::experts_backward(a, nullptr);
-    const cudaError_t done = cudaDeviceSynchronize();
-    unsetenv("MOK_EXPERT_SCHEDULE");
-    CUDA_OK(done);
+    {
+      const ScheduleEnv env("cooperative");
+      ASSERT_TRUE(env.ok);
+      cuda::experts_backward(a, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
     ASSERT_EQ(dstatus.download()[0], 0);
     EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "cooperative dg|du differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "cooperative w*h differs (run " << run << ")";
@@ -317,7 +325,6 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "cooperative dW_gate differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "cooperative dW_up differs (run " << run << ")";
     EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "cooperative dW_down differs (run " << run << ")";
-    if (run == 0) ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1), 0);
   }
   a.num_sms = 0;
 
