@@ -23,17 +23,20 @@ SYMM_KEY = "mok.symmetric"
 
 
 def _plan_overrides() -> dict[str, int]:
-    """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680,fused_backward=1"`` (absent: the
-    planner's choice). tools/gpu.sh's sweep names each result file after its plan. With a backward the
-    context replaces the ring, so ``ring`` then changes nothing."""
+    """Plan knobs for sweeps: ``MOK_BENCH_PLAN="comm=8,minibatch=1920,ring=7680,fused_backward=1,replay=1"``
+    (absent: the planner's choice). tools/gpu.sh's sweep names each result file after its plan. With a
+    backward the kept context replaces the ring, so ``ring`` then changes nothing, unless ``replay=1``:
+    the forward keeps only its schedule (in the ring) and the backward replays the rows."""
     import os
 
-    names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows", "fused_backward": "fused_backward"}
+    names = {"comm": "comm_sms", "minibatch": "minibatch_rows", "ring": "ring_rows", "fused_backward": "fused_backward",
+             "replay": "replay"}
     out: dict[str, int] = {}
     for term in filter(None, (t.strip() for t in os.environ.get("MOK_BENCH_PLAN", "").split(","))):
         key, _, value = term.partition("=")
         if key not in names or not value.isdigit():
-            raise ValueError(f"MOK_BENCH_PLAN: {term!r} is not one of comm=N, minibatch=N, ring=N, fused_backward=0|1")
+            raise ValueError(f"MOK_BENCH_PLAN: {term!r} is not one of comm=N, minibatch=N, ring=N, fused_backward=0|1, "
+                             "replay=0|1")
         out[names[key]] = int(value)
     return out
 
@@ -122,9 +125,11 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     w_in = view("topk_w", torch.float32, (T, k))
     dy_in = view("dy", torch.bfloat16, (T, H))
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
+    plan = _plan_overrides()
+    replay = bool(plan.pop("replay", 0))
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
                                  num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward,
-                                 **_plan_overrides())
+                                 **plan)
     dev = p.x.device
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
@@ -134,7 +139,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     d_w = [torch.empty(shape, dtype=_grad_dtype(), device=dev)
            for shape in ((El, I, H), (El, I, H), (El, H, I))] if with_backward else []
 
-    context = fused.new_context(dev) if with_backward else None
+    context = fused.new_context(dev, replay=replay) if with_backward else None
 
     def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
         x_in.copy_(p.x.detach())
@@ -157,6 +162,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
 
     def backward(state: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor | None]:
         _, y_shared = state
+        if replay:  # every rank's x is pulled again
+            x_in.copy_(p.x.detach())
         dy_in.copy_(p.d_y)
         w_in.copy_(p.topk_w.detach())
         d_shared: list[torch.Tensor | None] = []

@@ -331,20 +331,27 @@ void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>
 // One call of the fused forward (megakernel.h: moe_forward). bases: R device addresses of every
 // rank's symmetric buffer as seen from this device; y_shared (optional) [T, H] bf16. Every rank
 // must make the same sequence of calls (forward and backward share one epoch sequence).
-// Context (all null, or all set on a keep_rows handle): the forward keeps its schedule and rows
-// there for the backward: offsets [El+1] int32, src_rank / src_slot [row capacity] int32,
-// x_rows [context rows, H], h [context rows, I], gu [context rows, 2I] bf16.
+// Context (on a keep_rows handle): what the forward keeps for its backward. Its schedule:
+// offsets [El+1] int32, src_rank / src_slot [row capacity] int32; and either its rows, x_rows
+// [context rows, H], h [context rows, I], gu [context rows, 2I] bf16 (a kept context), or none of
+// them (a replay context: the forward runs in the handle's ring and its backward replays the
+// rows into buffers of those sizes that it is given). All null: the forward keeps nothing.
 struct Context {
   void *x_rows, *h, *gu, *offsets, *src_rank, *src_slot;
 };
 
 namespace {
-bool use_context(const ForwardHandle& h, const Context& c) {
-  const bool any = c.x_rows || c.h || c.gu || c.offsets || c.src_rank || c.src_slot;
-  const bool all = c.x_rows && c.h && c.gu && c.offsets && c.src_rank && c.src_slot;
-  if (any && !all) throw std::invalid_argument("context buffers: give all six (x_rows, h, gu, offsets, src_rank, src_slot) or none");
-  if (all && !h.keeps_rows) throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
-  return all;
+enum class Kept { nothing, schedule, rows };
+
+Kept context_kind(const ForwardHandle& h, const Context& c) {
+  const bool schedule = c.offsets && c.src_rank && c.src_slot, rows = c.x_rows && c.h && c.gu;
+  if ((c.offsets || c.src_rank || c.src_slot) && !schedule)
+    throw std::invalid_argument("context buffers: give all three schedule buffers (offsets, src_rank, src_slot) or none");
+  if ((c.x_rows || c.h || c.gu) && !(rows && schedule))
+    throw std::invalid_argument("context buffers: give all three row buffers (x_rows, h, gu) with the schedule, or none");
+  if (schedule && !h.keeps_rows)
+    throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
+  return rows ? Kept::rows : schedule ? Kept::schedule : Kept::nothing;
 }
 }  // namespace
 
@@ -363,11 +370,14 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     a.w_down = w_down;
     a.y_shared = y_shared;
     a.y = y;
-    if (use_context(*h, c)) {  // every row keeps its own ring row: the ring is the saved context
+    const Kept kept = context_kind(*h, c);
+    if (kept == Kept::rows) {  // every row keeps its own ring row: the ring is the saved context
       a.ring_x = c.x_rows;
       a.ring_h = c.h;
       a.ring_rows = h->context_rows;
       a.gu = c.gu;
+    }
+    if (kept != Kept::nothing) {
       a.expert_offsets = static_cast<int32_t*>(c.offsets);
       a.src_rank = static_cast<int32_t*>(c.src_rank);
       a.src_slot = static_cast<int32_t*>(c.src_slot);
@@ -385,16 +395,21 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
 
 // The backward of the forward that kept `ctx_*` (a keep_rows handle): every rank has written its
 // dy and topk_w into its symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
-// overwritten.
+// overwritten. replay = 1: the forward kept only its schedule (a replay context), every rank has
+// written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
+// (megakernel.h: MoeBackwardArgs::replay).
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx, void* d_topk_w, void* d_w_gate, void* d_w_up,
-                          void* d_w_down, int d_w_bf16, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
-                          void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
+                          void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
+                          void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error,
+                          int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
-    if (!use_context(*h, c)) throw std::invalid_argument("the backward needs the context its forward kept");
+    if (context_kind(*h, c) != Kept::rows)
+      throw std::invalid_argument(replay ? "a replay backward needs its forward's schedule and buffers for the rows"
+                                         : "the backward needs the context its forward kept");
     void* table[mok::cuda::kMaxRanks];
     bind_bases(*h, bases, table);
     mok::cuda::MoeBackwardArgs b = h->backward;
@@ -415,6 +430,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.expert_offsets = static_cast<const int32_t*>(c.offsets);
     b.src_rank = static_cast<const int32_t*>(c.src_rank);
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
+    b.replay = replay != 0;
     run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1

@@ -534,7 +534,9 @@ std::string can_implement(const MoeBackwardArgs& a) {
   std::ostringstream why;
   why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
   if (!a.x_rows || !a.h || !a.gu)
-    why << "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that kept them; ";
+    why << (a.replay ? "x_rows, h and gu (the replay's scratch) must be set; "
+                     : "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that "
+                       "kept them, or replay; ");
   if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
@@ -561,11 +563,13 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   // After a start barrier that gave up, the stage kernels touch no peer buffer.
   const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
   const void* dy_table[kMaxRanks];
+  const void* x_table[kMaxRanks];
   const float* w_table[kMaxRanks];
   void* dx_table[kMaxRanks];
   float* dw_table[kMaxRanks];
   for (int s = 0; s < R; ++s) {
     dy_table[s] = SymmetricLayout::at<const void>(a.bases[s], l.dy);
+    x_table[s] = SymmetricLayout::at<const void>(a.bases[s], l.x);
     w_table[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
     dx_table[s] = SymmetricLayout::at<void>(a.bases[s], l.dx_slots);
     dw_table[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
@@ -574,14 +578,34 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   g.shape = shape;
   g.hidden = H;
   g.schedule = view;
-  // The token links serve the stage kernels' gather (the backward megakernel's comm warps read
-  // every row).
-  const bool links = a.token_links != nullptr && !(a.fused && cap > 0);
+  // The token links serve the stage kernels' gather and the replay's (the backward megakernel's
+  // comm warps read every row).
+  const bool links = a.token_links != nullptr && (a.replay || !(a.fused && cap > 0));
   g.schedule.row_link = links ? a.token_links : nullptr;
   g.x = dy_table;
   g.rows = a.dy_rows;
   g.topk_w = w_table;
   g.row_weights = a.row_weight;
+  GatherArgs gx = g;  // replay: the x rows from their source ranks
+  gx.x = x_table;
+  gx.rows = a.x_rows;
+  gx.topk_w = nullptr;
+  gx.row_weights = nullptr;
+  ExpertsForwardArgs f;  // replay: gate|up + SwiGLU on them (h, g|u), the forward's GEMM
+  f.row_capacity = cap;
+  f.hidden = H;
+  f.intermediate = I;
+  f.local_experts = El;
+  f.expert_offsets = a.expert_offsets;
+  f.x = a.x_rows;
+  f.w_gate = a.w_gate;
+  f.w_up = a.w_up;
+  f.w_down = a.w_down;
+  f.gu = a.gu;
+  f.h = a.h;
+  f.y = a.dx_rows;  // checked as set; gate_up_swiglu does not write y
+  f.swiglu_limit = a.swiglu_limit;
+  f.status = a.experts_status;
   ExpertsBackwardArgs e;  // the expert backward on this rank's rows
   e.row_capacity = cap;
   e.hidden = H;
@@ -626,7 +650,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
   dg.dx = a.dx;
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
-                                 can_implement(dg),
+                                 can_implement(dg), a.replay ? can_implement(gx) : "",
+                                 a.replay ? can_implement(f) : "",
                                  links ? can_implement_links(shape, view, a.token_links) : ""})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   const int device_sms = host_util::device_sms(0);
@@ -640,14 +665,20 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   non_finite_keys(a.bases, l, R, keys);
   check_finite(dy_table[me], false, shape.tokens_per_rank * H, CheckedTensor::dy, me, keys, R, stream);
 
-  // The schedule's token links (local): dy is then read once per token.
+  // The schedule's token links (local): dy (and with replay x) is then read once per token and rank.
   if (links) link_token_rows(shape, view, a.token_links, stream);
 
-  // 1. Every rank's dy and topk_w are in its symmetric buffer, and every rank makes this call.
+  // 1. Every rank's dy and topk_w (with replay also x) are in its symmetric buffer, and every rank makes
+  //    this call (a replay and a kept backward are different calls).
   barrier(R, a.epoch, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
-          call_word(shape, H, I, a.swiglu_limit, /*pass=*/2));
+          call_word(shape, H, I, a.swiglu_limit, /*pass=*/a.replay ? 3 : 2));
+  if (a.replay) {
+    // 1b. Replay: every rank's x rows by the schedule, then h and g|u from them.
+    gather_rows(gx, stream);
+    gate_up_swiglu(f, stream);
+  }
   if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
     // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the
     //    weight gradients; its last CTA tells every source rank.

@@ -35,6 +35,8 @@ struct RunConfig {
   bool backward = false;    // keep the rows (ring = capacity) and run moe_backward after each forward
   bool bf16_grads = false;  // the backward writes bf16 weight gradients (Outputs gets their values)
   bool stage_backward = false;  // the backward's stage kernels instead of its megakernel
+  bool replay = false;  // with backward: the forward keeps only its schedule (ring_slots minibatches,
+                        // no g|u) and the backward replays the rows (MoeBackwardArgs::replay)
   bool rank1_other_call = false;  // rank 1 calls with another swiglu_limit (a call the others do not make)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
@@ -45,6 +47,7 @@ struct Rank {
   cudaStream_t stream = nullptr;
   std::unique_ptr<DeviceBuffer<uint8_t>> symmetric;
   std::unique_ptr<DeviceBuffer<uint16_t>> w_gate, w_up, w_down, gu, y;
+  std::unique_ptr<DeviceBuffer<uint16_t>> replay_x, replay_h;  // replay: the backward's rows
   std::unique_ptr<cuda::FusedBuffers> buffers;  // schedule, ring, counters, statuses, backward scratch
   // The backward's outputs.
   std::unique_ptr<DeviceBuffer<uint16_t>> dx;
@@ -104,8 +107,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     rk.w_gate->upload(to_bits(slice(in.routed.gate, r * El * I * H, El * I * H)));
     rk.w_up->upload(to_bits(slice(in.routed.up, r * El * I * H, El * I * H)));
     rk.w_down->upload(to_bits(slice(in.routed.down, r * El * H * I, El * H * I)));
-    const int64_t ring = cfg.backward ? (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows
-                                      : cfg.minibatch_rows * cfg.ring_slots;
+    const int64_t all_rows = (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows;
+    const int64_t ring = cfg.backward && !cfg.replay ? all_rows : cfg.minibatch_rows * cfg.ring_slots;
     rk.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, cfg.minibatch_rows, ring, cfg.backward);
     rk.gu = bf(capacity * 2 * I);
     rk.y = bf(T * H);
@@ -119,6 +122,10 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         return buffer;
       };
       auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
+      if (cfg.replay) {
+        rk.replay_x = poisoned(bf(all_rows * H));
+        rk.replay_h = poisoned(bf(all_rows * I));
+      }
       rk.dx = poisoned(bf(T * H));
       rk.d_topk_w = poisoned(f32(T * k));
       rk.dwg = poisoned(f32(El * I * H));
@@ -173,7 +180,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.w_up = rk.w_up->ptr;
       a.w_down = rk.w_down->ptr;
       rk.buffers->wire(a);  // shape, schedule, ring, counters, statuses
-      a.gu = rk.gu->ptr;
+      a.gu = cfg.replay ? nullptr : rk.gu->ptr;
       a.y = rk.y->ptr;
       a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
       a.comm_ctas = cfg.comm_ctas;
@@ -199,6 +206,11 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.w_down = rk.w_down->ptr;
       rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
+      if (cfg.replay) {  // rows rebuilt from every rank's x, still in its symmetric buffer
+        b.replay = true;
+        b.x_rows = rk.replay_x->ptr;
+        b.h = rk.replay_h->ptr;
+      }
       b.d_w_gate = rk.dwg->ptr;
       b.d_w_up = rk.dwu->ptr;
       b.d_w_down = rk.dwd->ptr;
@@ -471,18 +483,24 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
   EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
   EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
-  // The stage kernels, and the backward megakernel with other minibatches: the same bits.
-  for (const auto& [stages, minibatch] : {std::pair{true, int64_t(128)}, std::pair{false, int64_t(256)},
-                                          std::pair{false, int64_t(384)}}) {
+  // The stage kernels, the backward megakernel with other minibatches, and both replaying the rows
+  // of a forward that kept only its schedule (its ring two minibatches): the same bits.
+  for (const auto& [stages, minibatch, replay] :
+       {std::tuple{true, int64_t(128), false}, std::tuple{false, int64_t(256), false},
+        std::tuple{false, int64_t(384), false}, std::tuple{false, int64_t(128), true},
+        std::tuple{true, int64_t(128), true}}) {
     RunConfig other = cfg;
     other.stage_backward = stages;
     other.minibatch_rows = minibatch;
+    other.replay = replay;
     const Outputs o = run_forward(in, other, 1);
-    const std::string how = stages ? " (stage kernels)" : " (minibatch " + std::to_string(minibatch) + ")";
+    const std::string how = std::string(stages ? " (stage kernels" : " (minibatch " + std::to_string(minibatch)) +
+                            (replay ? ", replay)" : ")");
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(o.errors[r], "") << "rank " << r << how;
       EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << "dx rank " << r << how;
       EXPECT_EQ(first_bit_difference(a.d_topk_w[r], o.d_topk_w[r]), -1) << "d topk_w rank " << r << how;
+      if (replay) EXPECT_EQ(first_bit_difference(a.gu[r], o.gu[r]), -1) << "replayed g|u rank " << r << how;
     }
     EXPECT_EQ(first_bit_difference(a.dwg, o.dwg), -1) << "dW_gate" << how;
     EXPECT_EQ(first_bit_difference(a.dwu, o.dwu), -1) << "dW_up" << how;

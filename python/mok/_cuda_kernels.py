@@ -46,9 +46,9 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
-    # handle, bases, then 9 tensors, 6 context buffers and the stream, then the error buffer.
+    # handle, bases, then 9 tensors, d_w_bf16, replay, 6 context buffers and the stream, then the error buffer.
     lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 9 + [
-        ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
@@ -228,19 +228,23 @@ def symmetric_view(buffer: torch.Tensor, layout: dict[str, int], name: str, dtyp
 
 class Context:
     """What a training forward keeps for its backward (allocated per call from torch's allocator,
-    saved by autograd): the schedule and every routed row's x, h and g|u."""
+    saved by autograd): the schedule, and with ``rows`` every routed row's x, h and g|u. Without
+    rows (a replay context) the forward runs in the handle's ring and the backward replays the
+    rows into buffers it allocates for that call only (:meth:`FusedForward.backward`)."""
 
-    def __init__(self, fused: "FusedForward", device: torch.device) -> None:
-        rows, cap, H, I = fused.context_rows, fused.row_capacity, fused.hidden, fused.intermediate
-        self.x_rows = torch.empty(rows, H, dtype=torch.bfloat16, device=device)
-        self.h = torch.empty(rows, I, dtype=torch.bfloat16, device=device)
-        self.gu = torch.empty(rows, 2 * I, dtype=torch.bfloat16, device=device)
+    def __init__(self, fused: "FusedForward", device: torch.device, rows: bool = True) -> None:
+        cap = fused.row_capacity
+        self.replay = not rows
+        self.x_rows = self.h = self.gu = None
+        if rows:
+            self.x_rows, self.h, self.gu = fused.row_buffers(device)
         self.offsets = torch.empty(fused.local_experts + 1, dtype=torch.int32, device=device)
         self.src_rank = torch.empty(cap, dtype=torch.int32, device=device)
         self.src_slot = torch.empty(cap, dtype=torch.int32, device=device)
 
-    def pointers(self) -> list[int]:
-        return [t.data_ptr() for t in (self.x_rows, self.h, self.gu, self.offsets, self.src_rank, self.src_slot)]
+    def pointers(self) -> list[int | None]:
+        return [None if t is None else t.data_ptr()
+                for t in (self.x_rows, self.h, self.gu, self.offsets, self.src_rank, self.src_slot)]
 
 
 class FusedForward:
@@ -282,10 +286,16 @@ class FusedForward:
         if device != self.device:
             raise ValueError(f"tensors are on {device}, but this FusedForward was made on {self.device}")
 
-    def new_context(self, device: torch.device) -> Context:
+    def new_context(self, device: torch.device, *, replay: bool = False) -> Context:
+        """A context for one training forward: every row kept, or (``replay``) only the schedule."""
         if not self.keep_rows:
             raise ValueError("this FusedForward was made without keep_rows: it keeps no context")
-        return Context(self, device)
+        return Context(self, device, rows=not replay)
+
+    def row_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_rows [context rows, H], h [context rows, I], g|u [context rows, 2I], bf16, uninitialized."""
+        rows, H, I = self.context_rows, self.hidden, self.intermediate
+        return tuple(torch.empty(rows, n, dtype=torch.bfloat16, device=device) for n in (H, I, 2 * I))  # type: ignore[return-value]
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
             *, y_shared: torch.Tensor | None = None, context: Context | None = None) -> None:
@@ -311,8 +321,10 @@ class FusedForward:
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
                  d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
-        topk_w into its symmetric buffer. Weight gradients are fp32, or bf16 when d_w_* are (the
-        kernels write them, half the bytes). Asynchronous."""
+        topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
+        are then pulled and gate|up run again, into buffers that live for this call only). Weight
+        gradients are fp32, or bf16 when d_w_* are (the kernels write them, half the bytes).
+        Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16, f32 = torch.bfloat16, torch.float32
@@ -328,10 +340,17 @@ class FusedForward:
         _check_tensors(tuple(specs), device=dx.device)
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
+        ctx = context.pointers()
+        # The replayed rows: held until the call's kernels are queued on this stream, then given back
+        # to torch's cache (stream-ordered, like any temporary).
+        replayed = self.row_buffers(dx.device) if context.replay else ()
+        if replayed:
+            ctx[:3] = [t.data_ptr() for t in replayed]
         rc = _lib().mok_cuda_backward_run(
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
-            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), *context.pointers(), torch.cuda.current_stream().cuda_stream,
-            error, len(error))
+            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(context.replay), *ctx,
+            torch.cuda.current_stream().cuda_stream, error, len(error))
+        del replayed
         _raise(rc, error)
 
     def check(self) -> None:

@@ -11,10 +11,11 @@ is allocated per call from torch's allocator and saved by autograd, so layers sh
 do not collide. The shared expert runs in torch; its output enters the combine.
 
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
-handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing;
-``save_context=False`` keeps only the inputs and runs the forward again at the start of the
-backward. *Planned:* the fused backward, and a replay of the rows beyond the ring instead of keeping
-every row (today the training forward keeps every row's x, g|u and h; see `mok plan`).
+handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing. A
+training forward keeps every routed row's x, h and g|u (about rows * (H + 3I) * 2 bytes per layer);
+with ``save_context=False`` it keeps only x and its schedule, runs in the planner's ring, and the
+backward replays the rows: it pulls them again and reruns gate|up + SwiGLU (not the down GEMM or
+the combine), the same bits as a kept context.
 
 What the ranks agree on: a workspace's shapes and plan, once, when it is made (a host sync). A
 later call is not compared across ranks (that would cost a host sync per call): a rank whose
@@ -164,16 +165,16 @@ class _FusedMoe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 y_shared: Tensor | None, ws: _Workspace, save_context: bool) -> Tensor:
-        # save_context=False: keep only the inputs; the backward runs the forward again with a
-        # context first (activation checkpointing: less memory, a faster forward, the same bits).
-        context = ws.fused.new_context(x.device) if save_context else None
+        # save_context=False: keep x and the schedule only; the backward replays the rows (less
+        # memory between the passes, a faster forward, the same bits).
+        context = ws.fused.new_context(x.device, replay=not save_context)
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context = ws, context
         ctx.has_shared = y_shared is not None
         if save_context:
             ctx.save_for_backward(topk_w, w_gate, w_up, w_down)
         else:
-            ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, topk_idx)
+            ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x)
         ctx.set_materialize_grads(False)
         return y
 
@@ -188,17 +189,15 @@ class _FusedMoe(torch.autograd.Function):
         topk_w, w_gate, w_up, w_down, *inputs = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
-        if not inputs and ctx.context is None:
+        if ctx.context is None:
             raise RuntimeError(
-                "mok: this MoE call's backward already ran and freed the context its forward kept; a second "
-                "backward through the same graph (retain_graph=True) needs save_context=False, which runs the "
-                "forward again in every backward")
-        if inputs:  # the forward kept nothing: run it again, keeping its context this time
-            x, topk_idx = inputs
-            ctx.context = ws.fused.new_context(device)
-            _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, None, ctx.context)
+                "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
+                "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
+                "only x and the schedule and replays the rows in every backward")
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
+        if inputs:  # a replay context: every rank's x is pulled again
+            ws.x.copy_(inputs[0])
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
         El, I, _ = w_gate.shape
@@ -211,7 +210,8 @@ class _FusedMoe(torch.autograd.Function):
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context)
-        ctx.context = None
+        if not inputs:  # the kept rows are freed; a replay context (the schedule) serves another backward
+            ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
                 dy if ctx.has_shared else None, None, None)
 

@@ -447,8 +447,9 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     ``y[t] = shared(x[t]) + sum_j topk_w[t,j] * expert_{topk_idx[t,j]}(x[t])`` with SwiGLU experts
     (clamped at ``swiglu_limit``, gpt-oss style, when given). Gradients flow to x, topk_w and every
     weight. ``group``: the expert-parallel process group (any group, subgroups included; None: all
-    experts local). ``save_context=False`` keeps only the inputs and recomputes the forward's
-    intermediates in the backward (bitwise the same gradients, less memory). ``config`` overrides
+    experts local). ``save_context=False`` keeps only the inputs (and on the GPU the routing schedule)
+    and recomputes the forward's intermediates in the backward: on the GPU it replays the dispatch
+    and gate|up only (bitwise the same gradients, less memory between the passes). ``config`` overrides
     the planner's comm SMs, minibatch and ring for the GPU megakernel (checked on every device;
     results do not depend on it).
     """

@@ -140,7 +140,8 @@ class MoE(nn.Module):
     ``router``: None, ``"softmax"``, ``"sigmoid"``, or a :class:`TopKRouter` for the DeepSeek-style
     options (linear bias, score-correction bias, group-limited routing, scaling).
     ``save_context=False`` recomputes the forward's intermediates in the backward (activation
-    checkpointing; the same gradients, bitwise). ``config`` (a :class:`mok.MoeConfig`) overrides the
+    checkpointing; the same gradients, bitwise; on the GPU the backward replays the dispatch and
+    gate|up of the routed rows). ``config`` (a :class:`mok.MoeConfig`) overrides the
     planner's comm SMs, minibatch and ring of the GPU megakernel; results do not depend on it.
     """
 

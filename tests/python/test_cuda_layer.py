@@ -52,13 +52,15 @@ def test_matches_the_reference_and_is_bitwise_stable(shared_intermediate: int, l
 
 
 def test_recomputed_context_and_inference_give_the_same_bits() -> None:
-    """save_context=False (the backward runs the forward again) and a no_grad forward (no context,
-    no g|u save) give bitwise the training forward's y and gradients."""
+    """save_context=False (the forward keeps x and the schedule; the backward replays the rows), also
+    with a ring of one minibatch (far fewer rows than routed), and a no_grad forward (no context, no
+    g|u save) give bitwise the training forward's y and gradients."""
     p = testing.random_problem(200, 16, 512, 256, 4, shared_intermediate=128, swiglu_limit=0.75, routing="zipf",
                                seed=11, device="cuda")
     dy = torch.randn(200, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(torch.bfloat16)
     kept = _run(p, dy, save_context=True)
     recomputed = _run(p, dy, save_context=False)
+    small_ring = _run(p, dy, save_context=False, config=mok.MoeConfig(minibatch_rows=128, ring_rows=128))
     with torch.no_grad():
         inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared,
                             swiglu_limit=p.swiglu_limit)
@@ -66,14 +68,15 @@ def test_recomputed_context_and_inference_give_the_same_bits() -> None:
 
     _cuda_layer.check()
     names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
-    for name, a, b in zip(names, kept, recomputed):
+    for name, a, b, c in zip(names, kept, recomputed, small_ring):
         assert a is not None and b is not None and torch.equal(a, b), f"{name}: save_context=False differs"
+        assert c is not None and torch.equal(a, c), f"{name}: save_context=False with a one-minibatch ring differs"
     assert torch.equal(kept[0], inference), "the no_grad forward differs from the training forward"
 
 
 def test_a_second_backward_needs_save_context_false() -> None:
-    """retain_graph=True: the kept context is freed by the first backward, so a second backward
-    raises a clear error; with save_context=False it recomputes and gives the first's gradients."""
+    """retain_graph=True: the kept rows are freed by the first backward, so a second backward
+    raises a clear error; with save_context=False it replays them and gives the first's gradients."""
     p = testing.random_problem(96, 8, 256, 128, 2, seed=31, device="cuda")
     dy = torch.randn(96, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(torch.bfloat16)
     for save_context in (True, False):

@@ -81,7 +81,14 @@ struct MoeForwardArgs {
 // dw_slots; then the weight gradients, fixed reduction order); a wait on every rank's arrival; the
 // fixed-order dx sum. With fused = false the same steps run as stage kernels (gather, expert
 // backward, scatter): the same bits, kept as the fused path's yardstick.
-// *Planned:* replay for rings smaller than the rows.
+//
+// Replay (replay = true), for a forward that kept only its schedule (its ring smaller than the
+// rows, no g|u): every rank has also written its x into its symmetric buffer again, and the call
+// rebuilds the rows after the start barrier: it pulls every x row by the schedule into x_rows
+// (once per token and rank with token_links), then runs gate|up + SwiGLU into h and gu (the
+// forward's GEMM, the same bits), then the backward as above. Between the forward and the
+// backward only the inputs and the schedule are kept (activation memory T*H against
+// rows*(H + 3I)); x_rows, h and gu are then the call's scratch.
 struct MoeBackwardArgs {
   RoutingShape shape;
   int64_t rank = 0;
@@ -92,18 +99,20 @@ struct MoeBackwardArgs {
   const void* w_gate = nullptr;
   const void* w_up = nullptr;
   const void* w_down = nullptr;
-  // The forward's schedule and kept rows.
+  // The forward's schedule and kept rows (with replay: the rows are rebuilt here).
   const int32_t* expert_offsets = nullptr;
   const int32_t* src_rank = nullptr;
   const int32_t* src_slot = nullptr;
   int64_t row_capacity = 0;
-  uint32_t* token_links = nullptr; // optional, as in MoeForwardArgs: the stage kernels' gather then
-                                   // reads dy once per token and rank (not the backward megakernel)
+  uint32_t* token_links = nullptr; // optional, as in MoeForwardArgs: the stage kernels' gather (and
+                                   // the replay's) then reads a token once per rank (the backward
+                                   // megakernel's comm warps read every row)
   int64_t minibatch_rows = 0;      // the backward megakernel's minibatch (a multiple of 128)
   uint32_t* counters = nullptr;    // megakernel_counter_words(row_capacity, minibatch_rows) words
-  const void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x)
-  const void* h = nullptr;       // [row_capacity, I] (the forward's ring_h)
-  const void* gu = nullptr;      // [row_capacity, 2I]
+  void* x_rows = nullptr;  // [row_capacity, H] (the forward's ring_x); written first with replay
+  void* h = nullptr;       // [row_capacity, I] (the forward's ring_h); written first with replay
+  void* gu = nullptr;      // [row_capacity, 2I]; written first with replay
+  bool replay = false;     // rebuild x_rows, h and gu from every rank's x (above)
   // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
   void* dy_rows = nullptr;         // [cap, H] bf16
   float* row_weight = nullptr;     // [cap]
