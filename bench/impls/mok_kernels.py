@@ -105,7 +105,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     its symmetric buffer and makes one call per pass. The forward is the megakernel (barrier,
     schedule, fused dispatch + experts + combine push, combine); it keeps its rows when the case
     has a backward, which runs the stage kernels over the same buffers. The shared expert runs in
-    torch (autograd) beside it."""
+    torch as mok.moe runs it (its backward on a side stream beside the routed one)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
     if problem.case.precision != "bf16":
@@ -141,17 +141,27 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
 
     context = fused.new_context(dev, replay=replay) if with_backward else None
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+    # The shared expert as mok.moe runs it (mok._cuda_layer): its forward in torch before the call,
+    # keeping g and u; its backward on a side stream beside the routed backward, dx_shared entering
+    # the call's dx sum after an event.
+    from mok import _cuda_layer
+
+    side = torch.cuda.Stream(dev)
+    # MOK_BENCH_SHARED=serial: the routed backward waits for the shared expert's (what overlap buys).
+    serial_shared = os.environ.get("MOK_BENCH_SHARED", "overlap") == "serial"
+    shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
+
+    def forward() -> tuple[torch.Tensor, Any]:
         x_in.copy_(p.x.detach())
         idx_in.copy_(p.topk_idx)
         w_in.copy_(p.topk_w.detach())
-        with torch.set_grad_enabled(with_backward):  # the shared expert's graph, for a backward
-            y_shared = shared_expert(p.x, p.shared, p.swiglu_limit)
-        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if y_shared is None else y_shared.detach(),
-                  context=context)
-        return y, y_shared
+        saved = None
+        if shared_w is not None:
+            saved = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit)
+        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if saved is None else saved[2], context=context)
+        return y, saved
 
-    def output(state: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    def output(state: tuple[torch.Tensor, Any]) -> torch.Tensor:
         fused.check()  # a timed-out wait or a bad expert id is an error, not a number
         return state[0]
 
@@ -160,19 +170,31 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
                       no_backward_reason="this case has no backward pass")
     calls = [0]
 
-    def backward(state: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor | None]:
-        _, y_shared = state
+    def backward(state: tuple[torch.Tensor, Any]) -> list[torch.Tensor | None]:
+        _, saved = state
+        main = torch.cuda.current_stream()
+        d_shared: list[torch.Tensor | None] = []
+        dx_shared = ready = None
+        if saved is not None:
+            g, u, _ = saved
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dx_shared, *d_shared = _cuda_layer._shared_expert_backward(p.x.detach(), *shared_w, g, u, p.d_y,
+                                                                            p.swiglu_limit)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            for t in (dx_shared, *d_shared):
+                t.record_stream(main)
+            if serial_shared:  # the yardstick: the same kernels, the routed backward after them
+                main.wait_stream(side)
         if replay:  # every rank's x is pulled again
             x_in.copy_(p.x.detach())
         dy_in.copy_(p.d_y)
         w_in.copy_(p.topk_w.detach())
-        d_shared: list[torch.Tensor | None] = []
-        dx_shared = None
-        if y_shared is not None:
-            assert p.shared is not None
-            dx_shared, *d_shared = torch.autograd.grad(y_shared, [p.x, *p.shared], p.d_y)
         fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
-                       d_w_down=d_w[2], context=context, dx_shared=dx_shared)
+                       d_w_down=d_w[2], context=context, dx_shared=dx_shared, dx_shared_ready=ready)
+        if saved is not None:
+            main.wait_stream(side)
         calls[0] += 1
         if calls[0] == 1:  # the correctness check's call: a failed wait is an error (timed calls do not sync)
             fused.check()

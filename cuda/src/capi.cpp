@@ -329,7 +329,8 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
 void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>(handle); }
 
 // One call of the fused forward (megakernel.h: moe_forward). bases: R device addresses of every
-// rank's symmetric buffer as seen from this device; y_shared (optional) [T, H] bf16. Every rank
+// rank's symmetric buffer as seen from this device; y_shared (optional) [T, H] bf16, and
+// y_shared_ready (optional) a cudaEvent_t recorded after it on another stream. Every rank
 // must make the same sequence of calls (forward and backward share one epoch sequence).
 // Context (on a keep_rows handle): what the forward keeps for its backward. Its schedule:
 // offsets [El+1] int32, src_rank / src_slot [row capacity] int32; and either its rows, x_rows
@@ -356,7 +357,7 @@ Kept context_kind(const ForwardHandle& h, const Context& c) {
 }  // namespace
 
 int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
-                         const void* y_shared, void* y, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
+                         const void* y_shared, void* y_shared_ready, void* y, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
                          void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
@@ -369,6 +370,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     a.w_up = w_up;
     a.w_down = w_down;
     a.y_shared = y_shared;
+    a.y_shared_ready = static_cast<cudaEvent_t>(y_shared_ready);
     a.y = y;
     const Kept kept = context_kind(*h, c);
     if (kept == Kept::rows) {  // every row keeps its own ring row: the ring is the saved context
@@ -397,10 +399,11 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
 // dy and topk_w into its symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
 // overwritten. replay = 1: the forward kept only its schedule (a replay context), every rank has
 // written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
-// (megakernel.h: MoeBackwardArgs::replay).
+// (megakernel.h: MoeBackwardArgs::replay). dx_shared (optional) is added in the dx sum, after
+// dx_shared_ready (optional, a cudaEvent_t recorded after it on another stream).
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
-                          const void* dx_shared, void* dx, void* d_topk_w, void* d_w_gate, void* d_w_up,
-                          void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
+                          const void* dx_shared, void* dx_shared_ready, void* dx, void* d_topk_w, void* d_w_gate,
+                          void* d_w_up, void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
                           void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error,
                           int error_len) {
   try {
@@ -418,6 +421,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.w_up = w_up;
     b.w_down = w_down;
     b.dx_shared = dx_shared;
+    b.dx_shared_ready = static_cast<cudaEvent_t>(dx_shared_ready);
     b.dx = dx;
     b.d_topk_w = static_cast<float*>(d_topk_w);
     b.d_w_gate = d_w_gate;

@@ -476,7 +476,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   barrier(R, a.epoch, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
           [&](int s) { return signal_word(mine, l.combine_arrived(s)); }, stream);
 
-  // 5. The fixed-order weighted sum.
+  // 5. The fixed-order weighted sum (after the shared expert, when it runs on another stream).
+  if (a.y_shared_ready != nullptr) check(cudaStreamWaitEvent(stream, a.y_shared_ready, 0), "wait for y_shared");
   combine_epilogue(c, stream);
 }
 
@@ -699,7 +700,9 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
             [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
             [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
   }
-  // 6. The dx sum; d topk_w is the slots themselves.
+  // 6. The dx sum (after the shared expert's backward, when it runs on another stream); d topk_w
+  //    is the slots themselves.
+  if (a.dx_shared_ready != nullptr) check(cudaStreamWaitEvent(stream, a.dx_shared_ready, 0), "wait for dx_shared");
   dispatch_grad_epilogue(dg, stream);
   if (shape.slots() > 0)
     check(cudaMemcpyAsync(a.d_topk_w, SymmetricLayout::at<const float>(mine, l.dw_slots),

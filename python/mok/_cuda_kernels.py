@@ -46,16 +46,17 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
-    # handle, bases, then 9 tensors, d_w_bf16, replay, 6 context buffers and the stream, then the error buffer.
-    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 9 + [
+    # handle, bases, then 10 tensors and events, d_w_bf16, replay, 6 context buffers and the stream, then the
+    # error buffer.
+    lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 10 + [
         ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
     lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_run.restype = ctypes.c_int
-    # handle, bases, then 5 tensors, 6 context buffers and the stream, then the error buffer.
-    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 12 + [
+    # handle, bases, then 5 tensors and an event, 6 context buffers and the stream, then the error buffer.
+    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 13 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
@@ -89,6 +90,15 @@ def padded_offsets(counts: list[int]) -> list[int]:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _event(e: "torch.cuda.Event | None") -> int | None:
+    """The cudaEvent_t of a recorded torch event (torch creates it at the first record)."""
+    if e is None:
+        return None
+    if not e.cuda_event:
+        raise ValueError("the ready event was never recorded: record it after the shared expert's kernels")
+    return int(e.cuda_event)
 
 
 def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -298,9 +308,12 @@ class FusedForward:
         return tuple(torch.empty(rows, n, dtype=torch.bfloat16, device=device) for n in (H, I, 2 * I))  # type: ignore[return-value]
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
-            *, y_shared: torch.Tensor | None = None, context: Context | None = None) -> None:
+            *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None,
+            context: Context | None = None) -> None:
         """Asynchronous on the current stream. bases: every rank's symmetric buffer address.
-        context (keep_rows only): where this call keeps what its backward needs."""
+        y_shared_ready: an event recorded after y_shared on another stream; only the combine at the
+        end of the call waits for it. context (keep_rows only): where this call keeps what its
+        backward needs."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16 = torch.bfloat16
@@ -314,17 +327,19 @@ class FusedForward:
         error = ctypes.create_string_buffer(512)
         ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
-                                         _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
+                                         _event(y_shared_ready), _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
         _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
-                 d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None) -> None:
+                 d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None,
+                 dx_shared_ready: torch.cuda.Event | None = None) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
         topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
         are then pulled and gate|up run again, into buffers that live for this call only). Weight
         gradients are fp32, or bf16 when d_w_* are (the kernels write them, half the bytes).
-        Asynchronous."""
+        dx_shared is added in the fp32 dx sum (one rounding); dx_shared_ready: an event recorded
+        after it on another stream, which only that sum waits for. Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16, f32 = torch.bfloat16, torch.float32
@@ -347,7 +362,8 @@ class FusedForward:
         if replayed:
             ctx[:3] = [t.data_ptr() for t in replayed]
         rc = _lib().mok_cuda_backward_run(
-            self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _ptr(dx), _ptr(d_topk_w),
+            self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _event(dx_shared_ready),
+            _ptr(dx), _ptr(d_topk_w),
             _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(context.replay), *ctx,
             torch.cuda.current_stream().cuda_stream, error, len(error))
         del replayed

@@ -8,7 +8,8 @@ topk_w (and, in the backward, dy) into the symmetric buffer, then makes one call
 the call's start barrier, so every rank of the group must make the same sequence of calls (one
 epoch sequence per workspace). What a forward keeps for its backward (schedule, x rows, h, g|u)
 is allocated per call from torch's allocator and saved by autograd, so layers sharing a workspace
-do not collide. The shared expert runs in torch; its output enters the combine.
+do not collide. The shared expert runs in torch; its output enters the combine, and its backward
+runs on a side stream beside the routed backward, its dx entering the call's fp32 dx sum.
 
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
 handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing. A
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from . import _cuda_kernels as kernels
 from . import _dist
-from .testing import swiglu
+from .testing import swiglu, swiglu_backward
 
 Tensor = torch.Tensor
 
@@ -101,6 +102,7 @@ class _Workspace:
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
         self.dy = self._view("dy", torch.bfloat16, (T, H))
+        self.side_stream = torch.cuda.Stream(device)  # the shared expert's backward
 
     def _view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
         return kernels.symmetric_view(self.buffer, self.layout, name, dtype, shape)
@@ -162,19 +164,26 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
 
 
 class _FusedMoe(torch.autograd.Function):
+    """The routed experts through the C API and, when given, the shared expert in torch. The shared
+    expert's backward runs on a side stream beside the routed backward (the stage kernels' pull and
+    push leave SMs idle, and their weight gradients are bound by memory); its dx enters the call's
+    fixed-order fp32 dx sum, which waits for it (one rounding, not a bf16 add afterwards)."""
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                y_shared: Tensor | None, ws: _Workspace, save_context: bool) -> Tensor:
+                s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
+                ws: _Workspace, save_context: bool) -> Tensor:
         # save_context=False: keep x and the schedule only; the backward replays the rows (less
         # memory between the passes, a faster forward, the same bits).
         context = ws.fused.new_context(x.device, replay=not save_context)
+        shared = s_gate is not None and s_up is not None and s_down is not None
+        y_shared = g = u = None
+        if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
+            g, u, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
-        ctx.ws, ctx.context = ws, context
-        ctx.has_shared = y_shared is not None
-        if save_context:
-            ctx.save_for_backward(topk_w, w_gate, w_up, w_down)
-        else:
-            ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x)
+        ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
+        ctx.replay = not save_context
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, g, u)
         ctx.set_materialize_grads(False)
         return y
 
@@ -186,7 +195,7 @@ class _FusedMoe(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         ws: _Workspace = ctx.ws
-        topk_w, w_gate, w_up, w_down, *inputs = ctx.saved_tensors
+        topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, g, u = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
         if ctx.context is None:
@@ -196,8 +205,22 @@ class _FusedMoe(torch.autograd.Function):
                 "only x and the schedule and replays the rows in every backward")
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
-        if inputs:  # a replay context: every rank's x is pulled again
-            ws.x.copy_(inputs[0])
+        dy = dy.contiguous()
+        main = torch.cuda.current_stream()
+        shared_grads: tuple[Tensor | None, ...] = (None, None, None)
+        dx_shared = ready = None
+        if ctx.has_shared:  # on the side stream, beside the routed backward
+            side = ws.side_stream
+            side.wait_stream(main)  # dy and the saved tensors are ready
+            with torch.cuda.stream(side):
+                dx_shared, *grads = _shared_expert_backward(x, s_gate, s_up, s_down, g, u, dy, ctx.swiglu_limit)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            for t in (dx_shared, *grads):  # made on the side stream, used on this one
+                t.record_stream(main)
+            shared_grads = tuple(grads)
+        if ctx.replay:  # a replay context: every rank's x is pulled again
+            ws.x.copy_(x)
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
         El, I, _ = w_gate.shape
@@ -209,18 +232,47 @@ class _FusedMoe(torch.autograd.Function):
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
-                          d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context)
-        if not inputs:  # the kept rows are freed; a replay context (the schedule) serves another backward
+                          d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
+                          dx_shared=dx_shared, dx_shared_ready=ready)
+        if ctx.has_shared:  # what follows on this stream (autograd, the side's frees) comes after the side's work
+            main.wait_stream(ws.side_stream)
+        if not ctx.replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
-                dy if ctx.has_shared else None, None, None)
+                *shared_grads, None, None, None)
 
 
 def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None) -> Tensor:
-    """The replicated shared expert in torch (bf16 matmuls, differentiable)."""
-    g = F.linear(x, s_gate.to(x.dtype))
-    u = F.linear(x, s_up.to(x.dtype))
-    return F.linear(swiglu(g, u, swiglu_limit), s_down.to(x.dtype))
+    """The replicated shared expert in torch (bf16 matmuls), without autograd: y_shared."""
+    return _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)[2]
+
+
+def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor,
+                           swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """g, u and y_shared of the shared expert (bf16 matmuls)."""
+    with torch.no_grad():
+        xb = x.to(torch.bfloat16)
+        g = F.linear(xb, s_gate.to(torch.bfloat16))
+        u = F.linear(xb, s_up.to(torch.bfloat16))
+        return g, u, F.linear(swiglu(g, u, swiglu_limit), s_down.to(torch.bfloat16))
+
+
+def _shared_expert_backward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, g: Tensor, u: Tensor, dy: Tensor,
+                            swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx, d s_gate, d s_up, d s_down of the shared expert (bf16 matmuls; the SwiGLU backward in
+    fp32). The weight gradients in the weights' dtypes."""
+    with torch.no_grad():
+        bf16 = torch.bfloat16
+        xb, wg, wu, wd = (t.to(bf16) for t in (x, s_gate, s_up, s_down))
+        h = swiglu(g, u, swiglu_limit)
+        dh = dy @ wd                                      # [T, Is]
+        dg, du = (t.to(bf16) for t in swiglu_backward(g.float(), u.float(), dh.float(), swiglu_limit))
+        dgu = torch.cat([dg, du], dim=1)                  # [T, 2Is]: dx in one GEMM over both
+        dx = dgu @ torch.cat([wg, wu], dim=0)             # [T, H]
+        d_down = dy.t() @ h                               # [H, Is]
+        d_gate = dg.t() @ xb                              # [Is, H]
+        d_up = du.t() @ xb
+        return dx, d_gate.to(s_gate.dtype), d_up.to(s_up.dtype), d_down.to(s_down.dtype)
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -246,10 +298,10 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan)
-        y_shared = None
-        if s_gate is not None and s_up is not None and s_down is not None:
-            y_shared = _shared_expert(x, s_gate, s_up, s_down, swiglu_limit)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
         if not needs_grad:
+            y_shared = None
+            if s_gate is not None and s_up is not None and s_down is not None:
+                y_shared = _shared_expert(args[0], s_gate, s_up, s_down, swiglu_limit)
             return _run_forward(ws, *args, y_shared, None)
-        return _FusedMoe.apply(*args, y_shared, ws, save_context)
+        return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)

@@ -238,16 +238,16 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
     if (fit < cfg.minibatch_rows) why << " (raised to one minibatch)";
   }
   cfg.keeps_forward_context = cfg.ring_rows >= cfg.expected_rows;
-  // As built, the training forward keeps every row's x, g|u and h outside the ring, whatever the
-  // ring holds (the replay of rows beyond the ring is planned; save_context=False recomputes the
-  // whole forward instead).
+  // A training forward keeps every row's x, g|u and h outside the ring, whatever the ring holds;
+  // with save_context=False it keeps only x and its schedule, and the backward replays the pull
+  // and gate|up of every row (megakernel.h: MoeBackwardArgs::replay).
   const int64_t context_bytes = cfg.expected_rows * (2 * desc.hidden + 6 * desc.intermediate);
   why << "; " << (cfg.keeps_forward_context ? "the expected rows all fit the ring"
                                             : "the expected rows do not all fit the ring")
       << "\n- training context: the forward keeps x, g|u and h of every row for the backward, "
       << format_bytes(static_cast<double>(context_bytes))
-      << " per rank under balanced routing (outside the ring; save_context=False keeps none and "
-         "recomputes the forward)\n";
+      << " per rank under balanced routing (outside the ring; save_context=False keeps only x and the "
+         "schedule, and the backward replays the pull and gate|up)\n";
   why << "- schedule table: sized for " << cfg.schedule_capacity_rows
       << " rows (R*T*k plus padding): any routing skew fits, nothing is dropped\n";
 

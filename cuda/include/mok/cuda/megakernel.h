@@ -64,6 +64,9 @@ struct MoeForwardArgs {
   void* gu = nullptr;          // optional [row_capacity, 2I] bf16: g | u of every row, for the backward
   uint32_t* counters = nullptr;  // megakernel_counter_words(row_capacity, minibatch_rows) words
   const void* y_shared = nullptr;  // optional [T, H] bf16: the shared expert's output, added in the combine
+  // Optional: recorded where y_shared is computed (another stream); the combine waits for it, so
+  // the shared expert runs beside the call's earlier kernels.
+  cudaEvent_t y_shared_ready = nullptr;
   void* y = nullptr;               // [T, H] bf16 out
   uint32_t epoch = 1;        // > 0, one more on every call, the same on every rank
   int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
@@ -126,7 +129,10 @@ struct MoeBackwardArgs {
   void* d_w_up = nullptr;          // [El, I, H] d_w_type
   void* d_w_down = nullptr;        // [El, H, I] d_w_type
   GradType d_w_type = GradType::fp32;
-  const void* dx_shared = nullptr; // optional [T, H] bf16, added into dx
+  const void* dx_shared = nullptr; // optional [T, H] bf16, added into dx (in the fp32 sum: one rounding)
+  // Optional: recorded where dx_shared is computed (another stream); the dx sum waits for it, so
+  // the shared expert's backward runs beside the call's earlier kernels.
+  cudaEvent_t dx_shared_ready = nullptr;
   void* dx = nullptr;              // [T, H] bf16
   float* d_topk_w = nullptr;       // [T*k] fp32
   uint32_t epoch = 1;              // shares the forward's sequence: one more than the call before
