@@ -105,7 +105,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     its symmetric buffer and makes one call per pass. The forward is the megakernel (barrier,
     schedule, fused dispatch + experts + combine push, combine); it keeps its rows when the case
     has a backward, which runs the stage kernels over the same buffers. The shared expert runs in
-    torch as mok.moe runs it (its backward on a side stream beside the routed one)."""
+    torch as mok.moe runs it (before the call in each pass, dx_shared summed by the call)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
     if problem.case.precision != "bf16":
@@ -142,13 +142,13 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     context = fused.new_context(dev, replay=replay) if with_backward else None
 
     # The shared expert as mok.moe runs it (mok._cuda_layer): its forward in torch before the call,
-    # keeping g and u; its backward on a side stream beside the routed backward, dx_shared entering
-    # the call's dx sum after an event.
+    # keeping g and u; its backward before the call on the same stream, dx_shared entering the
+    # call's dx sum. MOK_BENCH_SHARED=overlap: its backward on a side stream beside the routed one
+    # instead, the call's dx sum waiting for an event (measured slower, session 10).
     from mok import _cuda_layer
 
     side = torch.cuda.Stream(dev)
-    # MOK_BENCH_SHARED=serial: the routed backward waits for the shared expert's (what overlap buys).
-    serial_shared = os.environ.get("MOK_BENCH_SHARED", "overlap") == "serial"
+    serial_shared = os.environ.get("MOK_BENCH_SHARED", "serial") != "overlap"
     shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
 
     def forward() -> tuple[torch.Tensor, Any]:
@@ -177,23 +177,23 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         dx_shared = ready = None
         if saved is not None:
             g, u, _ = saved
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            stream = main if serial_shared else side
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
                 dx_shared, *d_shared = _cuda_layer._shared_expert_backward(p.x.detach(), *shared_w, g, u, p.d_y,
                                                                             p.swiglu_limit)
+            if not serial_shared:
                 ready = torch.cuda.Event()
                 ready.record(side)
-            for t in (dx_shared, *d_shared):
-                t.record_stream(main)
-            if serial_shared:  # the yardstick: the same kernels, the routed backward after them
-                main.wait_stream(side)
+                for t in (dx_shared, *d_shared):
+                    t.record_stream(main)
         if replay:  # every rank's x is pulled again
             x_in.copy_(p.x.detach())
         dy_in.copy_(p.d_y)
         w_in.copy_(p.topk_w.detach())
         fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
                        d_w_down=d_w[2], context=context, dx_shared=dx_shared, dx_shared_ready=ready)
-        if saved is not None:
+        if not serial_shared and saved is not None:
             main.wait_stream(side)
         calls[0] += 1
         if calls[0] == 1:  # the correctness check's call: a failed wait is an error (timed calls do not sync)

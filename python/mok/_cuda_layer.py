@@ -8,8 +8,8 @@ topk_w (and, in the backward, dy) into the symmetric buffer, then makes one call
 the call's start barrier, so every rank of the group must make the same sequence of calls (one
 epoch sequence per workspace). What a forward keeps for its backward (schedule, x rows, h, g|u)
 is allocated per call from torch's allocator and saved by autograd, so layers sharing a workspace
-do not collide. The shared expert runs in torch; its output enters the combine, and its backward
-runs on a side stream beside the routed backward, its dx entering the call's fp32 dx sum.
+do not collide. The shared expert runs in torch; its output enters the combine, its dx the call's
+fp32 dx sum.
 
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
 handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing. A
@@ -102,7 +102,6 @@ class _Workspace:
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
         self.dy = self._view("dy", torch.bfloat16, (T, H))
-        self.side_stream = torch.cuda.Stream(device)  # the shared expert's backward
 
     def _view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
         return kernels.symmetric_view(self.buffer, self.layout, name, dtype, shape)
@@ -165,9 +164,10 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
 
 class _FusedMoe(torch.autograd.Function):
     """The routed experts through the C API and, when given, the shared expert in torch. The shared
-    expert's backward runs on a side stream beside the routed backward (the stage kernels' pull and
-    push leave SMs idle, and their weight gradients are bound by memory); its dx enters the call's
-    fixed-order fp32 dx sum, which waits for it (one rounding, not a bf16 add afterwards)."""
+    expert's dx enters the call's fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards).
+    Its backward runs before the call, on the same stream: on a side stream beside the routed
+    backward it was slower (2 H200s, 8192 tokens per rank: Kimi K2 31.5 ms against 29.9, DeepSeek-V4
+    36.9 against 33.8; its GEMMs take SMs the routed persistent kernels count on)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -206,18 +206,10 @@ class _FusedMoe(torch.autograd.Function):
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         dy = dy.contiguous()
-        main = torch.cuda.current_stream()
         shared_grads: tuple[Tensor | None, ...] = (None, None, None)
-        dx_shared = ready = None
-        if ctx.has_shared:  # on the side stream, beside the routed backward
-            side = ws.side_stream
-            side.wait_stream(main)  # dy and the saved tensors are ready
-            with torch.cuda.stream(side):
-                dx_shared, *grads = _shared_expert_backward(x, s_gate, s_up, s_down, g, u, dy, ctx.swiglu_limit)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            for t in (dx_shared, *grads):  # made on the side stream, used on this one
-                t.record_stream(main)
+        dx_shared = None
+        if ctx.has_shared:
+            dx_shared, *grads = _shared_expert_backward(x, s_gate, s_up, s_down, g, u, dy, ctx.swiglu_limit)
             shared_grads = tuple(grads)
         if ctx.replay:  # a replay context: every rank's x is pulled again
             ws.x.copy_(x)
@@ -233,9 +225,7 @@ class _FusedMoe(torch.autograd.Function):
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
-                          dx_shared=dx_shared, dx_shared_ready=ready)
-        if ctx.has_shared:  # what follows on this stream (autograd, the side's frees) comes after the side's work
-            main.wait_stream(ws.side_stream)
+                          dx_shared=dx_shared)
         if not ctx.replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
