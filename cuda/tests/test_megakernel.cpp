@@ -38,6 +38,7 @@ struct RunConfig {
   bool replay = false;  // with backward: the forward keeps only its schedule (ring_slots minibatches,
                         // no g|u) and the backward replays the rows (MoeBackwardArgs::replay)
   bool rank1_other_call = false;  // rank 1 calls with another swiglu_limit (a call the others do not make)
+  bool rank1_replays = false;     // with backward: only rank 1's backward replays (another call too)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
 };
 
@@ -122,7 +123,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         return buffer;
       };
       auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
-      if (cfg.replay) {
+      if (cfg.replay || (cfg.rank1_replays && r == 1)) {
         rk.replay_x = poisoned(bf(all_rows * H));
         rk.replay_h = poisoned(bf(all_rows * I));
       }
@@ -206,7 +207,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.w_down = rk.w_down->ptr;
       rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
-      if (cfg.replay) {  // rows rebuilt from every rank's x, still in its symmetric buffer
+      if (cfg.replay || (cfg.rank1_replays && r == 1)) {  // rows rebuilt from every rank's x, still in its symmetric buffer
         b.replay = true;
         b.x_rows = rk.replay_x->ptr;
         b.h = rk.replay_h->ptr;
@@ -571,8 +572,9 @@ TEST(MegakernelErrors, APeerThatNeverLaunchesIsANamedTimeout) {
 }
 
 TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
-  // Same buffers and shapes, but rank 1 clamps its SwiGLU and rank 0 does not: both name the other
-  // instead of computing a layer no rank asked for.
+  // Same buffers and shapes, but rank 1 clamps its SwiGLU and rank 0 does not (then: rank 1's
+  // backward replays and rank 0's does not): both name the other instead of computing a layer no
+  // rank asked for.
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
   const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
@@ -586,6 +588,17 @@ TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
   const Outputs again = run_forward(in, RunConfig{}, 1);
   EXPECT_EQ(again.errors[0], "");
   EXPECT_EQ(again.errors[1], "");
+  // A backward that replays its rows and one that does not are different calls too (the replaying
+  // rank would pull x rows the other never wrote again).
+  const auto dy = make_output_grad<float>(d, 6, true);
+  RunConfig mixed;
+  mixed.backward = true;
+  mixed.dy = &dy;
+  mixed.rank1_replays = true;
+  mixed.timeout_s = 1.0;
+  const Outputs replayed = run_forward(in, mixed, 1);
+  EXPECT_NE(replayed.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos) << replayed.errors[0];
+  EXPECT_NE(replayed.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos) << replayed.errors[1];
 }
 
 TEST(MegakernelErrors, BadArgumentsAreNamed) {
