@@ -141,24 +141,31 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
 
     context = fused.new_context(dev, replay=replay) if with_backward else None
 
-    # The shared expert as mok.moe runs it (mok._cuda_layer): its forward in torch before the call,
-    # keeping g and u; its backward before the call on the same stream, dx_shared entering the
-    # call's dx sum. MOK_BENCH_SHARED=overlap: its backward on a side stream beside the routed one
-    # instead, the call's dx sum waiting for an event (measured slower, session 10).
+    # The shared expert as mok.moe runs it (mok._cuda_layer): on MoK's expert kernels, its forward
+    # before the call (its rows kept), its backward before the call on the same stream, dx_shared
+    # entering the call's dx sum. MOK_BENCH_SHARED=overlap: its backward on a side stream beside the
+    # routed one, the call's dx sum waiting for an event (measured slower, session 10);
+    # MOK_BENCH_SHARED=torch: its forward and backward as torch ops (cuBLAS), serial (the yardstick).
     from mok import _cuda_layer
 
     side = torch.cuda.Stream(dev)
-    serial_shared = os.environ.get("MOK_BENCH_SHARED", "serial") != "overlap"
+    shared_mode = os.environ.get("MOK_BENCH_SHARED", "mok")
+    if shared_mode not in ("mok", "overlap", "torch"):
+        raise ValueError(f"MOK_BENCH_SHARED={shared_mode!r} is not one of mok, overlap, torch")
     shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
 
     def forward() -> tuple[torch.Tensor, Any]:
         x_in.copy_(p.x.detach())
         idx_in.copy_(p.topk_idx)
         w_in.copy_(p.topk_w.detach())
-        saved = None
+        saved = y_shared = None
         if shared_w is not None:
-            saved = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit)
-        fused.run(bases, w_gate, w_up, w_down, y, y_shared=None if saved is None else saved[2], context=context)
+            if shared_mode == "torch":
+                saved, y_shared = _torch_shared_forward(p.x.detach(), *shared_w, p.swiglu_limit)
+            else:
+                saved, y_shared = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit,
+                                                                     keep=with_backward)
+        fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared, context=context)
         return y, saved
 
     def output(state: tuple[torch.Tensor, Any]) -> torch.Tensor:
@@ -175,13 +182,17 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         main = torch.cuda.current_stream()
         d_shared: list[torch.Tensor | None] = []
         dx_shared = ready = None
+        serial_shared = shared_mode != "overlap"
         if saved is not None:
-            g, u, _ = saved
             stream = main if serial_shared else side
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
-                dx_shared, *d_shared = _cuda_layer._shared_expert_backward(p.x.detach(), *shared_w, g, u, p.d_y,
-                                                                            p.swiglu_limit)
+                if shared_mode == "torch":
+                    dx_shared, *d_shared = _torch_shared_backward(p.x.detach(), *shared_w, *saved, p.d_y,
+                                                                  p.swiglu_limit)
+                else:
+                    dx_shared, *d_shared = _cuda_layer._shared_expert_backward(saved, *shared_w, p.d_y,
+                                                                                p.swiglu_limit)
             if not serial_shared:
                 ready = torch.cuda.Event()
                 ready.record(side)
@@ -201,6 +212,29 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         return [dx, d_topk_w, *d_w, *d_shared]
 
     return Runner(forward=forward, output=output, backward=backward)
+
+
+def _torch_shared_forward(x: torch.Tensor, s_gate: torch.Tensor, s_up: torch.Tensor, s_down: torch.Tensor,
+                          swiglu_limit: float | None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(g, u) and y_shared of the shared expert as torch ops (cuBLAS)."""
+    import torch.nn.functional as F
+    from mok.testing import swiglu
+
+    g, u = F.linear(x, s_gate), F.linear(x, s_up)
+    return (g, u), F.linear(swiglu(g, u, swiglu_limit), s_down)
+
+
+def _torch_shared_backward(x: torch.Tensor, s_gate: torch.Tensor, s_up: torch.Tensor, s_down: torch.Tensor,
+                           g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor,
+                           swiglu_limit: float | None) -> tuple[torch.Tensor, ...]:
+    """dx, d s_gate, d s_up, d s_down of the shared expert as torch ops (the SwiGLU backward in fp32)."""
+    from mok.testing import swiglu, swiglu_backward
+
+    h = swiglu(g, u, swiglu_limit)
+    dh = dy @ s_down
+    dg, du = (t.to(torch.bfloat16) for t in swiglu_backward(g.float(), u.float(), dh.float(), swiglu_limit))
+    dx = torch.cat([dg, du], dim=1) @ torch.cat([s_gate, s_up], dim=0)
+    return dx, dg.t() @ x, du.t() @ x, dy.t() @ h
 
 
 def _torch_memory_bytes(problem: Any, ctx: BenchContext) -> int:

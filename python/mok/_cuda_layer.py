@@ -8,8 +8,8 @@ topk_w (and, in the backward, dy) into the symmetric buffer, then makes one call
 the call's start barrier, so every rank of the group must make the same sequence of calls (one
 epoch sequence per workspace). What a forward keeps for its backward (schedule, x rows, h, g|u)
 is allocated per call from torch's allocator and saved by autograd, so layers sharing a workspace
-do not collide. The shared expert runs in torch; its output enters the combine, its dx the call's
-fp32 dx sum.
+do not collide. The shared expert runs on the same expert kernels, as one expert whose rows are
+all the tokens; its output enters the combine, its dx the call's fp32 dx sum.
 
 Errors inside a call (a rank that never came, an expert id out of range) are sticky in the
 handle and raised by :func:`check` (it synchronizes). A forward without autograd keeps nothing. A
@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from . import _cuda_kernels as kernels
 from . import _dist
-from .testing import swiglu, swiglu_backward
 
 Tensor = torch.Tensor
 
@@ -163,11 +161,12 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
 
 
 class _FusedMoe(torch.autograd.Function):
-    """The routed experts through the C API and, when given, the shared expert in torch. The shared
-    expert's dx enters the call's fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards).
-    Its backward runs before the call, on the same stream: on a side stream beside the routed
-    backward it was slower (2 H200s, 8192 tokens per rank: Kimi K2 31.5 ms against 29.9, DeepSeek-V4
-    36.9 against 33.8; its GEMMs take SMs the routed persistent kernels count on)."""
+    """The routed experts through the C API and, when given, the shared expert on MoK's expert
+    kernels (one expert whose rows are all the tokens). The shared expert's dx enters the call's
+    fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards). Its backward runs before the
+    call, on the same stream: on a side stream beside the routed backward it was slower (2 H200s,
+    8192 tokens per rank: Kimi K2 31.5 ms against 29.9, DeepSeek-V4 36.9 against 33.8; its GEMMs
+    take SMs the routed persistent kernels count on)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -177,13 +176,16 @@ class _FusedMoe(torch.autograd.Function):
         # memory between the passes, a faster forward, the same bits).
         context = ws.fused.new_context(x.device, replay=not save_context)
         shared = s_gate is not None and s_up is not None and s_down is not None
-        y_shared = g = u = None
+        y_shared = None
+        kept: tuple[Tensor | None, ...] = (None, None, None)
         if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            g, u, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)
+            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)
+            assert rows is not None
+            kept = rows
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
         ctx.replay = not save_context
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, g, u)
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
@@ -195,7 +197,7 @@ class _FusedMoe(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         ws: _Workspace = ctx.ws
-        topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, g, u = ctx.saved_tensors
+        topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *shared_rows = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
         if ctx.context is None:
@@ -209,7 +211,8 @@ class _FusedMoe(torch.autograd.Function):
         shared_grads: tuple[Tensor | None, ...] = (None, None, None)
         dx_shared = None
         if ctx.has_shared:
-            dx_shared, *grads = _shared_expert_backward(x, s_gate, s_up, s_down, g, u, dy, ctx.swiglu_limit)
+            dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
+                                                        ctx.swiglu_limit)  # type: ignore[arg-type]
             shared_grads = tuple(grads)
         if ctx.replay:  # a replay context: every rank's x is pulled again
             ws.x.copy_(x)
@@ -233,36 +236,80 @@ class _FusedMoe(torch.autograd.Function):
 
 
 def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None) -> Tensor:
-    """The replicated shared expert in torch (bf16 matmuls), without autograd: y_shared."""
-    return _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)[2]
+    """y_shared of the replicated shared expert, without autograd."""
+    return _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, keep=False)[1]
 
 
-def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor,
-                           swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """g, u and y_shared of the shared expert (bf16 matmuls)."""
-    with torch.no_grad():
-        xb = x.to(torch.bfloat16)
-        g = F.linear(xb, s_gate.to(torch.bfloat16))
-        u = F.linear(xb, s_up.to(torch.bfloat16))
-        return g, u, F.linear(swiglu(g, u, swiglu_limit), s_down.to(torch.bfloat16))
+_SHARED_ROWS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
 
-def _shared_expert_backward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, g: Tensor, u: Tensor, dy: Tensor,
-                            swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx, d s_gate, d s_up, d s_down of the shared expert (bf16 matmuls; the SwiGLU backward in
-    fp32). The weight gradients in the weights' dtypes."""
-    with torch.no_grad():
-        bf16 = torch.bfloat16
-        xb, wg, wu, wd = (t.to(bf16) for t in (x, s_gate, s_up, s_down))
-        h = swiglu(g, u, swiglu_limit)
-        dh = dy @ wd                                      # [T, Is]
-        dg, du = (t.to(bf16) for t in swiglu_backward(g.float(), u.float(), dh.float(), swiglu_limit))
-        dgu = torch.cat([dg, du], dim=1)                  # [T, 2Is]: dx in one GEMM over both
-        dx = dgu @ torch.cat([wg, wu], dim=0)             # [T, H]
-        d_down = dy.t() @ h                               # [H, Is]
-        d_gate = dg.t() @ xb                              # [Is, H]
-        d_up = du.t() @ xb
-        return dx, d_gate.to(s_gate.dtype), d_up.to(s_up.dtype), d_down.to(s_down.dtype)
+def _shared_rows(tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The shared expert as one expert of the grouped kernels: its offsets [0, rows] (int32, rows
+    = tokens rounded up to the kernels' row alignment) and its rows' weights (1, 0 for padding).
+    Made once per (device, tokens): no host-to-device copy per call."""
+    key = (device.index or 0, tokens)
+    if key not in _SHARED_ROWS:
+        rows = -(-tokens // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
+        offsets = torch.tensor([0, rows], dtype=torch.int32, device=device)
+        weight = torch.zeros(rows, dtype=torch.float32, device=device)
+        weight[:tokens] = 1.0
+        _SHARED_ROWS[key] = (offsets, weight)
+    return _SHARED_ROWS[key]
+
+
+def _padded(t: Tensor, rows: int) -> Tensor:
+    """t [T, n] bf16 with zero rows appended up to `rows` (t itself when T == rows)."""
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = torch.zeros(rows, t.shape[1], dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _shared_weights(s_gate: Tensor, s_up: Tensor, s_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The shared expert's weights as one expert's: [1, Is, H], [1, Is, H], [1, H, Is], bf16."""
+    return tuple(w.to(torch.bfloat16).contiguous().unsqueeze(0) for w in (s_gate, s_up, s_down))  # type: ignore[return-value]
+
+
+def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
+                           keep: bool = True) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
+    """The shared expert on MoK's expert kernels (one expert, every token a row; gate|up with the
+    fused SwiGLU, then down): (x rows, g|u, h) kept for the backward when ``keep``, and y_shared."""
+    T, H = x.shape
+    offsets, _ = _shared_rows(T, x.device)
+    rows = int(-(-T // kernels.ROW_ALIGN) * kernels.ROW_ALIGN)
+    wg, wu, wd = _shared_weights(s_gate, s_up, s_down)
+    Is = wg.shape[1]
+    x_rows = _padded(x.to(torch.bfloat16), rows)
+    h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
+    gu = torch.empty(rows, 2 * Is, dtype=torch.bfloat16, device=x.device) if keep else None
+    kernels.experts_forward(x_rows, offsets, wg, wu, wd, h=h, y=y, gu=gu, swiglu_limit=swiglu_limit)
+    return ((x_rows, gu, h) if gu is not None else None), y[:T]
+
+
+def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor, s_up: Tensor, s_down: Tensor,
+                            dy: Tensor, swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx, d s_gate, d s_up, d s_down of the shared expert on MoK's expert kernels (the dh GEMM with
+    the fused SwiGLU backward, dx, the weight gradients; fixed reduction order). The weight
+    gradients in the weights' dtypes."""
+    x_rows, gu, h = saved
+    rows, H = x_rows.shape
+    T = dy.shape[0]
+    offsets, weight = _shared_rows(T, dy.device)
+    wg, wu, wd = _shared_weights(s_gate, s_up, s_down)
+    Is = wg.shape[1]
+    bf16 = torch.bfloat16
+    grad = bf16 if s_gate.dtype == s_up.dtype == s_down.dtype == bf16 else torch.float32
+    dx = torch.empty(rows, H, dtype=bf16, device=dy.device)
+    d_weight = torch.empty(rows, dtype=torch.float32, device=dy.device)
+    d_gate = torch.empty(1, Is, H, dtype=grad, device=dy.device)
+    d_up = torch.empty(1, Is, H, dtype=grad, device=dy.device)
+    d_down = torch.empty(1, H, Is, dtype=grad, device=dy.device)
+    kernels.experts_backward(x_rows, offsets, gu, h, _padded(dy, rows), weight, wg, wu, wd, dx=dx,
+                             d_row_weight=d_weight, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down,
+                             scratch=kernels.BackwardScratch(rows, Is, dy.device), swiglu_limit=swiglu_limit)
+    return (dx[:T], d_gate[0].to(s_gate.dtype), d_up[0].to(s_up.dtype), d_down[0].to(s_down.dtype))
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
