@@ -126,6 +126,16 @@ void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_
   check(cudaGetLastError(), signal ? "launch start barrier" : "launch combine wait");
 }
 
+// Why an optional ready event cannot be waited on ("" when it is null or a valid event): checked
+// before the first launch, since a throw after the start barrier would leave the others waiting.
+std::string event_problem(cudaEvent_t event, const char* name) {
+  if (event == nullptr) return "";
+  const cudaError_t e = cudaEventQuery(event);
+  if (e == cudaSuccess || e == cudaErrorNotReady) return "";
+  cudaGetLastError();  // not sticky: clear it
+  return std::string(name) + " is not a valid CUDA event (" + cudaGetErrorString(e) + ")";
+}
+
 // What the forward and the backward check alike: ranks, this rank, the layout against the
 // shapes, one buffer per rank, the row capacity, the epoch and the timeout.
 std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, const SymmetricLayout& l,
@@ -417,7 +427,8 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // The token links serve only the comm CTAs' copies (wire_pass: the comm warps read every row).
   const bool links = a.token_links != nullptr && comm > 0 && a.ring_rows >= a.row_capacity;
   for (const std::string& why : {can_implement(sa), can_implement(c),
-                                 links ? can_implement_links(shape, schedule, a.token_links) : ""})
+                                 links ? can_implement_links(shape, schedule, a.token_links) : "",
+                                 event_problem(a.y_shared_ready, "y_shared_ready")})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
   // 0. This rank's x and topk_w are finite (else every rank's non-finite key names the element;
@@ -653,7 +664,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg), a.replay ? can_implement(gx) : "",
                                  a.replay ? can_implement(f) : "",
-                                 links ? can_implement_links(shape, view, a.token_links) : ""})
+                                 links ? can_implement_links(shape, view, a.token_links) : "",
+                                 event_problem(a.dx_shared_ready, "dx_shared_ready")})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   const int device_sms = host_util::device_sms(0);
   const int sms = host_util::device_sms(a.num_sms);

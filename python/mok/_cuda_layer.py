@@ -134,6 +134,7 @@ def clear() -> None:
     for ws in _WORKSPACES.values():
         ws.fused.close()
     _WORKSPACES.clear()
+    _SHARED_ROWS.clear()
 
 
 def check() -> None:
