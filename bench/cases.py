@@ -122,6 +122,8 @@ TABLES: dict[str, list[Case]] = {
     "smoke": _smoke(),
     "baselines_1gpu": _baselines(1),
     "baselines_2gpu": _baselines(2),
+    "baselines_4gpu": _baselines(4),
+    "baselines_8gpu": _baselines(8),
     "experts_1gpu": _experts_1gpu(),
 }
 TABLES["all_1gpu"] = TABLES["baselines_1gpu"] + TABLES["experts_1gpu"]

@@ -7,7 +7,10 @@
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
-# bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below).
+# bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
+# scaling (the layer at R = 1, 2, 4, 8 GPUs as far as the machine goes, then bench.scaling's table).
+# MOK_NPROC: processes (GPUs) of bench_2gpu and sweep_2gpu (default 2; 4 or 8 on nvidia-h200-x4 / -x8
+# with MOK_SWEEP_CASES / MOK_BENCH_CASES_2GPU from baselines_4gpu / baselines_8gpu).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -190,7 +193,7 @@ fi
 if has bench_2gpu; then
   # A hard timeout on top of the harness's own budget: a stuck collective must not eat the call.
   budget="${MOK_BENCH_BUDGET_2GPU:-${MOK_BENCH_BUDGET:-330}}"
-  timeout --kill-after=10 "$(left $((budget + 150)))" torchrun --standalone --nproc-per-node=2 -m bench.run \
+  timeout --kill-after=10 "$(left $((budget + 150)))" torchrun --standalone --nproc-per-node="${MOK_NPROC:-2}" -m bench.run \
     --cases "${MOK_BENCH_CASES_2GPU:-baselines_2gpu}" --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
     > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
@@ -208,7 +211,7 @@ if has sweep_2gpu; then
     read -r plan settings <<< "$entry"
     [ "$plan" = "default" ] && plan=""  # the planner's choices
     tag="$(echo "$entry" | tr ',= ' '___')"
-    env ${settings:-} MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left "${MOK_SWEEP_TIMEOUT:-200}")" torchrun --standalone --nproc-per-node=2 -m bench.run \
+    env ${settings:-} MOK_BENCH_PLAN="$plan" timeout --kill-after=10 "$(left "${MOK_SWEEP_TIMEOUT:-200}")" torchrun --standalone --nproc-per-node="${MOK_NPROC:-2}" -m bench.run \
       --cases "${MOK_SWEEP_CASES:-baselines_2gpu:tokens=8192,routing=balanced}" --impls "${MOK_SWEEP_IMPLS:-mok,mok_gemms}" \
       --passes "${MOK_SWEEP_PASSES:-forward}" --out "$LOGS/sweep_$tag.json" --iter-budget-s 0.5 \
       ${MOK_SWEEP_PROFILE:+--profile "$LOGS/profile_$tag"} > "$LOGS/sweep_$tag.log" 2>&1 || { status=1; log "sweep $entry exited non-zero"; }
@@ -217,6 +220,29 @@ if has sweep_2gpu; then
     grep -E "^\| [a-z]" "$LOGS/sweep_$tag.md" | grep -v "^| preset" | cut -d'|' -f2,6,7,8,14,15 | tee -a "$LOGS/summary.txt"
     publish
   done
+fi
+
+if has scaling; then
+  # Issue #7's scaling table: the same cases at every R in MOK_SCALING_RANKS (default 1 2 4 8, up to
+  # the GPUs present), one torchrun each, MOK_SCALING_CASES filtering baselines_<R>gpu (default
+  # tokens=2048|8192,routing=balanced), impls MOK_SCALING_IMPLS; then time per token by R.
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  files=()
+  for R in ${MOK_SCALING_RANKS:-1 2 4 8}; do
+    (( R <= gpus )) || { log "scaling: R=$R skipped ($gpus GPUs)"; continue; }
+    timeout --kill-after=10 "$(left "${MOK_SWEEP_TIMEOUT:-200}")" torchrun --standalone --nproc-per-node="$R" -m bench.run \
+      --cases "baselines_${R}gpu:${MOK_SCALING_CASES:-tokens=2048|8192,routing=balanced}" \
+      --impls "${MOK_SCALING_IMPLS:-mok,torch_a2a}" --passes forward,backward --out "$LOGS/scaling_R$R.json" \
+      --iter-budget-s 0.5 > "$LOGS/scaling_R$R.log" 2>&1 || { status=1; log "scaling R=$R exited non-zero"; }
+    [ -f "$LOGS/scaling_R$R.json" ] && files+=("$LOGS/scaling_R$R.json")
+    log "scaling R=$R done"
+    publish
+  done
+  if (( ${#files[@]} > 0 )); then
+    python3 -m bench.scaling "${files[@]}" --out "$LOGS/scaling.md" >> "$LOGS/summary.txt" 2>&1 || status=1
+    cat "$LOGS/scaling.md" >> "$LOGS/summary.txt" 2>/dev/null
+    publish
+  fi
 fi
 
 log "exit $status"

@@ -559,6 +559,66 @@ TEST(MegakernelPeers, TwoGpusMatchOneGpuBitwise) {
   }
 }
 
+// R = 2, 4 and 8 ranks, one GPU each, as far as the machine has GPUs (nvidia-h200-x4 / -x8 for
+// 4 and 8): forward and backward against the reference, the same bits on reruns, as the same
+// ranks sharing one GPU, and with the backward replaying its rows.
+TEST(MegakernelPeers, EveryGpuCountMatchesTheReferenceAndOneGpuBitwise) {
+  const int gpus = device_count();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs";
+  for (const int R : {2, 4, 8}) {
+    if (R > gpus) break;
+    for (int a = 0; a < R; ++a)
+      for (int b = 0; b < R; ++b) {
+        int can = 1;
+        if (a != b) cudaDeviceCanAccessPeer(&can, a, b);
+        if (!can) GTEST_SKIP() << "GPUs " << a << " and " << b << " have no peer access";
+      }
+    const std::string where = "R = " + std::to_string(R) + " on " + std::to_string(R) + " GPUs";
+    const MoeDesc d = desc(R, 300, 512, 256, 2 * R * 4, 4);
+    const auto in = make_inputs<float>(d, RoutingKind::zipf, 100 + R, true);
+    const auto dy = make_output_grad<float>(d, 200 + R, true);
+    const auto fwd = ref::layer_forward(in, ref::Rounding::bf16);
+    const auto ref = ref::layer_backward(in, fwd.context, dy, ref::Rounding::bf16);
+    RunConfig own;
+    own.own_gpus = true;
+    own.backward = true;
+    own.dy = &dy;
+    const Outputs a = run_forward(in, own, 3);
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(a.errors[r], "") << where << ", rank " << r;
+      const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
+      const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
+      EXPECT_TRUE(y.within(kBf16RelTolerance)) << y.describe(where + " y rank " + std::to_string(r));
+      EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe(where + " dx rank " + std::to_string(r));
+      std::printf("[ %d GPUs ] rank %d rel error y %.2e dx %.2e\n", R, r, y.rel_error, dx.rel_error);
+    }
+    for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
+                                          std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
+                                          std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
+      const Comparison cmp = compare(*got, *want);
+      EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(where + " " + name);
+    }
+    RunConfig shared = own;  // the same ranks on GPU 0
+    shared.own_gpus = false;
+    RunConfig replay = own;  // the forward keeps only its schedule
+    replay.replay = true;
+    for (const auto& [how, cfg] : {std::pair{"a fresh run", own}, std::pair{"ranks sharing GPU 0", shared},
+                                   std::pair{"replay", replay}}) {
+      const Outputs o = run_forward(in, cfg, 1);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(o.errors[r], "") << where << ", " << how << ", rank " << r;
+        EXPECT_EQ(first_bit_difference(a.y[r], o.y[r]), -1) << where << ", " << how << ": y rank " << r;
+        EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << where << ", " << how << ": dx rank " << r;
+        EXPECT_EQ(first_bit_difference(a.d_topk_w[r], o.d_topk_w[r]), -1)
+            << where << ", " << how << ": d topk_w rank " << r;
+      }
+      EXPECT_EQ(first_bit_difference(a.dwg, o.dwg), -1) << where << ", " << how << ": dW_gate";
+      EXPECT_EQ(first_bit_difference(a.dwu, o.dwu), -1) << where << ", " << how << ": dW_up";
+      EXPECT_EQ(first_bit_difference(a.dwd, o.dwd), -1) << where << ", " << how << ": dW_down";
+    }
+  }
+}
+
 TEST(MegakernelErrors, APeerThatNeverLaunchesIsANamedTimeout) {
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   const MoeDesc d = desc(2, 64, 256, 128, 8, 2);

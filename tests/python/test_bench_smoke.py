@@ -169,6 +169,10 @@ def test_case_tables_are_well_formed() -> None:
     assert {c.tokens_per_rank for c in b2 if c.routing == "balanced"} == {2048, 8192, 32768}
     assert all(c.ranks == 2 for c in b2)
     assert {c.routing for c in b2} == {"balanced", "zipf", "all_to_one"}
+    for ranks in (4, 8):  # the nvidia-h200-x4 / -x8 tables: the same cases, experts split R ways
+        table = TABLES[f"baselines_{ranks}gpu"]
+        assert len(table) == len(b2) and all(c.ranks == ranks for c in table)
+        assert all(PRESETS[c.preset].E % ranks == 0 for c in table)
     assert select_cases("baselines_2gpu:preset=kimi-k2,tokens=2048")[0].preset == "kimi-k2"
     with pytest.raises(ValueError):
         select_cases("baselines_2gpu:nonsense=1")
@@ -287,3 +291,31 @@ def test_gemm_benchmark_checks_and_times_every_step_on_the_cpu() -> None:
     with pytest.raises(RuntimeError, match="gate_up: MoK differs from torch"):
         gemms.run_shape("tiny", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_TorchStandIn(h_factor=1.1),
                         device="cpu")
+
+
+def test_scaling_table_compares_each_case_across_ranks(tmp_path: Path) -> None:
+    """bench.scaling: per case measured at several R, the time per token of the group and the
+    weak-scaling efficiency against the smallest R; cases seen at one R only, failed or wrong
+    rows are left out."""
+    sys.path.insert(0, str(REPO))
+    from bench import scaling
+
+    def case(ranks: int, ms: float, **extra: object) -> dict[str, object]:
+        return {"kind": "layer", "preset": "kimi-k2", "tokens_per_rank": 1000, "routing": "balanced",
+                "pass": "forward", "impl": "mok", "precision": "bf16", "ranks": ranks, "median_ms": ms,
+                "status": "ok", "correct": True, **extra}
+
+    files = []
+    for name, cases in (("r1.json", [case(1, 2.0), case(1, 5.0, preset="mixtral-8x7b")]),
+                        ("r2.json", [case(2, 2.5), case(2, 1.0, correct=False, preset="qwen3-30b-a3b")]),
+                        ("r4.json", [case(4, 4.0), case(4, 9.0, status="error", preset="glm-5.2")])):
+        path = tmp_path / name
+        path.write_text(json.dumps({"cases": cases}))
+        files.append(path)
+    lines = [line for line in scaling.table(scaling.rows(files)).splitlines() if line.startswith("| kimi")]
+    assert len(lines) == 3, lines
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert [c[5] for c in cells] == ["1", "2", "4"]
+    assert [c[7] for c in cells] == ["2000.0", "1250.0", "1000.0"]  # ns per token: ms * 1e6 / (R * T)
+    assert [c[8] for c in cells] == ["1.00", "0.80", "0.50"]        # smallest R's time over this R's
+    assert "mixtral" not in scaling.table(scaling.rows(files))      # one R only

@@ -137,3 +137,9 @@ def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
 
 def test_expert_parallel_on_two_gpus() -> None:
     td.spawn_ranks(worker, 2, timeout_s=240)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 or more GPUs (nvidia-h200-x4 / -x8)")
+def test_expert_parallel_on_every_gpu() -> None:
+    """The same cases with one rank per GPU of the machine (4 or 8)."""
+    td.spawn_ranks(worker, torch.cuda.device_count(), timeout_s=400)
