@@ -1,7 +1,8 @@
 """Our kernels through their C API (``libmok_cuda_capi.so``, loaded by ``mok._cuda_kernels``).
 
-- ``layer``: the fused forward (the megakernel with its barrier, schedule and combine) over one
-  torch symmetric-memory buffer per rank; the backward is not fused yet, so its rows are skipped.
+- ``layer``: the fused forward (the megakernel with its barrier, schedule and combine) and its
+  backward (the planner's path: the backward megakernel or the stage kernels) over one torch
+  symmetric-memory buffer per rank; ``mok_gemms``: the same rows' expert GEMMs alone.
 - ``experts``: the sm_90a expert GEMMs, forward and backward, on pre-grouped rows.
 
 Skipped with the reason where the library is not built or there is no sm_90a GPU.
@@ -310,7 +311,8 @@ def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
         return kernels.symmetric_view(buffer, layout, name, dtype, shape)
 
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=I, num_experts=p.preset.E,
-                                 topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True, **_plan_overrides())
+                                 topk=k, swiglu_limit=p.swiglu_limit, keep_rows=True,
+                                 **{k_: v for k_, v in _plan_overrides().items() if k_ != "replay"})  # GEMMs only
     context = fused.new_context(p.x.device)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
     y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)

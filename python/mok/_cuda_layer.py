@@ -186,7 +186,8 @@ class _FusedMoe(torch.autograd.Function):
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
         ctx.replay = not save_context
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *kept)
+        # x only where the backward reads it: the replay pulls it again, the shared expert's rows hold it.
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if ctx.replay else None, s_gate, s_up, s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
