@@ -40,6 +40,8 @@ struct RunConfig {
   bool rank1_other_call = false;  // rank 1 calls with another swiglu_limit (a call the others do not make)
   bool rank1_replays = false;     // with backward: only rank 1's backward replays (another call too)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
+
+  bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
 
 // Everything one rank owns on its device.
@@ -123,7 +125,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         return buffer;
       };
       auto f32 = [](int64_t n) { return std::make_unique<DeviceBuffer<float>>(size_t(n)); };
-      if (cfg.replay || (cfg.rank1_replays && r == 1)) {
+      if (cfg.replays(r)) {
         rk.replay_x = poisoned(bf(all_rows * H));
         rk.replay_h = poisoned(bf(all_rows * I));
       }
@@ -207,7 +209,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.w_down = rk.w_down->ptr;
       rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
-      if (cfg.replay || (cfg.rank1_replays && r == 1)) {  // rows rebuilt from every rank's x, still in its symmetric buffer
+      if (cfg.replays(r)) {  // rows rebuilt from every rank's x, still in its symmetric buffer
         b.replay = true;
         b.x_rows = rk.replay_x->ptr;
         b.h = rk.replay_h->ptr;

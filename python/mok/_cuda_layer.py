@@ -185,9 +185,9 @@ class _FusedMoe(torch.autograd.Function):
             kept = rows
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
-        ctx.replay = not save_context
         # x only where the backward reads it: the replay pulls it again, the shared expert's rows hold it.
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if ctx.replay else None, s_gate, s_up, s_down, *kept)
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if context.replay else None, s_gate, s_up, s_down,
+                              *kept)
         ctx.set_materialize_grads(False)
         return y
 
@@ -210,13 +210,14 @@ class _FusedMoe(torch.autograd.Function):
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         dy = dy.contiguous()
+        replay = ctx.context.replay
         shared_grads: tuple[Tensor | None, ...] = (None, None, None)
         dx_shared = None
         if ctx.has_shared:
             dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
                                                         ctx.swiglu_limit)  # type: ignore[arg-type]
             shared_grads = tuple(grads)
-        if ctx.replay:  # a replay context: every rank's x is pulled again
+        if replay:  # a replay context: every rank's x is pulled again
             ws.x.copy_(x)
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
@@ -231,7 +232,7 @@ class _FusedMoe(torch.autograd.Function):
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
                           dx_shared=dx_shared)
-        if not ctx.replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
+        if not replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
                 *shared_grads, None, None, None)
