@@ -295,8 +295,8 @@ def test_gemm_benchmark_checks_and_times_every_step_on_the_cpu() -> None:
 
 def test_scaling_table_compares_each_case_across_ranks(tmp_path: Path) -> None:
     """bench.scaling: per case measured at several R, the time per token of the group and the
-    weak-scaling efficiency against the smallest R; cases seen at one R only, failed or wrong
-    rows are left out."""
+    weak-scaling efficiency against the smallest R, rows per expert, the speedup over the baseline
+    at the same R; cases seen at one R only, failed or wrong rows are left out."""
     sys.path.insert(0, str(REPO))
     from bench import scaling
 
@@ -307,15 +307,18 @@ def test_scaling_table_compares_each_case_across_ranks(tmp_path: Path) -> None:
 
     files = []
     for name, cases in (("r1.json", [case(1, 2.0), case(1, 5.0, preset="mixtral-8x7b")]),
-                        ("r2.json", [case(2, 2.5), case(2, 1.0, correct=False, preset="qwen3-30b-a3b")]),
+                        ("r2.json", [case(2, 2.5), case(2, 1.0, correct=False, preset="qwen3-30b-a3b"),
+                                     case(2, 5.0, impl="torch_a2a"), case(1, 3.0, impl="torch_a2a")]),
                         ("r4.json", [case(4, 4.0), case(4, 9.0, status="error", preset="glm-5.2")])):
         path = tmp_path / name
         path.write_text(json.dumps({"cases": cases}))
         files.append(path)
-    lines = [line for line in scaling.table(scaling.rows(files)).splitlines() if line.startswith("| kimi")]
-    assert len(lines) == 3, lines
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    lines = [line for line in scaling.table(scaling.rows(files)).splitlines() if line.startswith("| kimi-k2 | 1000 |")]
+    assert len(lines) == 5, lines
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if "| mok |" in line]
     assert [c[5] for c in cells] == ["1", "2", "4"]
-    assert [c[7] for c in cells] == ["2000.0", "1250.0", "1000.0"]  # ns per token: ms * 1e6 / (R * T)
-    assert [c[8] for c in cells] == ["1.00", "0.80", "0.50"]        # smallest R's time over this R's
+    assert [c[6] for c in cells] == ["21", "42", "83"]              # 1000 * R * 8 / 384, rounded
+    assert [c[8] for c in cells] == ["2000.0", "1250.0", "1000.0"]  # ns per token: ms * 1e6 / (R * T)
+    assert [c[9] for c in cells] == ["1.00", "0.80", "0.50"]        # smallest R's time over this R's
+    assert [c[10] for c in cells] == ["1.50", "2.00", ""]           # torch_a2a's time at the same R over this one's
     assert "mixtral" not in scaling.table(scaling.rows(files))      # one R only
