@@ -59,6 +59,8 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
 // the dgrad's dh launch, whose SwiGLU backward epilogue is latency-bound, ran 14-28% faster
 // ping-pong; the forward's gate|up and down ran up to 16% slower. MOK_EXPERT_SCHEDULE=cooperative
 // or pingpong forces one schedule on all three, read at each call (the benchmark's A/B switch).
+// The weight gradients' ping-pong keeps the cooperative 128-row tiles and lets the two warpgroups
+// take turns, each storing its 64 rows under the other's mainloop (grouped_gemm_kernel.cuh).
 // can_implement reports a bad value, so the megakernel's stage kernels refuse it before their first
 // launch; the launchers check again (the variable may change in between).
 enum class Schedule { cooperative, pingpong };
@@ -267,8 +269,15 @@ void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
           ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
       launch(p, a.num_sms, stream);
     };
-    if (a.d_w_type == GradType::bf16) {
+    // Ping-pong here: the cooperative tiles, each warpgroup's epilogue under the other's mainloop.
+    const bool turns = pingpong(Schedule::pingpong);
+    if (a.d_w_type == GradType::bf16 && turns) {
+      run(static_cast<detail::StoreBf16PlanesTurnsEpilogue*>(nullptr),
+          host_util::bf16_planes_target<64>(out, a_cols, b_cols, El));
+    } else if (a.d_w_type == GradType::bf16) {
       run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), host_util::bf16_planes_target(out, a_cols, b_cols, El));
+    } else if (turns) {
+      run(static_cast<detail::StoreF32TurnsEpilogue*>(nullptr), host_util::f32_planes_target<64>(out, a_cols, b_cols, El));
     } else {
       run(static_cast<detail::StoreF32Epilogue*>(nullptr), host_util::f32_planes_target(out, a_cols, b_cols, El));
     }
@@ -337,6 +346,8 @@ void preload_expert_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32TurnsEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesTurnsEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, reduce_row_partials), what);
 }
 

@@ -86,14 +86,19 @@ inline BackwardMN::Params weight_grad_operands(const void* a, int64_t a_cols, in
           BackwardMN::make_b(bf(b), int(b_cols), int(rows), 1, b_cols, 0),
           int(a_cols), int(rows), 1, int(b_cols), int(rows), 1, kOnePlane, /*b_by_expert=*/0};
 }
-// Where weight gradient tiles go: [planes][rows, cols], bf16 or fp32.
-inline detail::StoreBf16PlanesEpilogue::Params bf16_planes_target(void* out, int64_t rows, int64_t cols,
-                                                                  int64_t planes) {
-  return {{detail::make_store_tma(bf(out), int(rows), int(cols), cols, int(planes), rows * cols), int(rows), int(cols),
-           int(planes)}};
+// Where weight gradient tiles go: [planes][rows, cols], bf16 or fp32, in boxes of kRows rows (64:
+// each consumer warpgroup stores its half of a tile, the turns of grouped_gemm_kernel.cuh).
+template <int kRows = detail::GemmConfig::kBlockM>
+inline typename detail::StorePlanesEpilogue<detail::StoreTensorOf<kRows>>::Params bf16_planes_target(
+    void* out, int64_t rows, int64_t cols, int64_t planes) {
+  return {{detail::make_store_tma<kRows>(bf(out), int(rows), int(cols), cols, int(planes), rows * cols), int(rows),
+           int(cols), int(planes)}};
 }
-inline detail::StoreF32Epilogue::Params f32_planes_target(void* out, int64_t rows, int64_t cols, int64_t planes) {
-  return {{detail::make_store_tma_f32(static_cast<float*>(out), int(rows), int(cols), cols, int(planes), rows * cols),
+template <int kRows = detail::GemmConfig::kBlockM>
+inline typename detail::StorePlanesEpilogue<detail::StoreTensorF32Of<kRows>>::Params f32_planes_target(
+    void* out, int64_t rows, int64_t cols, int64_t planes) {
+  return {{detail::make_store_tma_f32<kRows>(static_cast<float*>(out), int(rows), int(cols), cols, int(planes),
+                                             rows * cols),
            int(rows), int(cols), int(planes)}};
 }
 

@@ -299,37 +299,42 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     }
   }
 
-  // The dh launch's other schedule: ping-pong (one warpgroup per 64-row tile, the SwiGLU backward
-  // under the other's mainloop) is its default, cooperative (128-row tiles) the same bits, on
-  // every SM and then on 3 CTAs (many tiles each).
-  for (int run = 0; run < 2; ++run) {
-    a.num_sms = run == 0 ? 0 : 3;
-    ddx.poison();
-    ddw.poison();
-    dWg.poison();
-    dWu.poison();
-    dWd.poison();
-    dgu.poison();
-    dhw.poison();
-    {
-      const ScheduleEnv env("cooperative");
-      ASSERT_TRUE(env.ok);
-      cuda::experts_backward(a, nullptr);
-      CUDA_OK(cudaDeviceSynchronize());
+  // Every launch on each schedule, the same bits as the defaults above: cooperative (128-row
+  // tiles; the dh launch's default is ping-pong, one warpgroup per 64-row tile) and ping-pong (the
+  // weight gradients' form: cooperative tiles whose two warpgroups take turns, each storing its 64
+  // rows under the other's mainloop), on every SM and then on 3 CTAs (many tiles each).
+  for (const char* schedule : {"cooperative", "pingpong"}) {
+    for (int run = 0; run < 2; ++run) {
+      a.num_sms = run == 0 ? 0 : 3;
+      ddx.poison();
+      ddw.poison();
+      dWg.poison();
+      dWu.poison();
+      dWd.poison();
+      dgu.poison();
+      dhw.poison();
+      {
+        const ScheduleEnv env(schedule);
+        ASSERT_TRUE(env.ok);
+        cuda::experts_backward(a, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+      }
+      ASSERT_EQ(dstatus.download()[0], 0);
+      const std::string where = std::string(schedule) + " (run " + std::to_string(run) + ")";
+      EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "dg|du differs, " << where;
+      EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "w*h differs, " << where;
+      EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "dx differs, " << where;
+      EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "d_row_weight differs, " << where;
+      EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "dW_gate differs, " << where;
+      EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "dW_up differs, " << where;
+      EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "dW_down differs, " << where;
     }
-    ASSERT_EQ(dstatus.download()[0], 0);
-    EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "cooperative dg|du differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "cooperative w*h differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "cooperative dx differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(ddw.download(), first_dw), -1) << "cooperative d_row_weight differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWg.download(), first_g), -1) << "cooperative dW_gate differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWu.download(), first_u), -1) << "cooperative dW_up differs (run " << run << ")";
-    EXPECT_EQ(first_bit_difference(dWd.download(), first_d), -1) << "cooperative dW_down differs (run " << run << ")";
   }
   a.num_sms = 0;
 
   // bf16 weight gradients (d_w_type = bf16): the fp32 ones rounded to nearest even, bit for bit
-  // (the same accumulation, one rounding in the epilogue), on poisoned buffers, twice.
+  // (the same accumulation, one rounding in the epilogue), on poisoned buffers: the default
+  // schedule, then each forced on 3 CTAs.
   DeviceBuffer<uint16_t> hWg(El * I * H), hWu(El * I * H), hWd(El * H * I);
   a.d_w_gate = hWg.ptr;
   a.d_w_up = hWu.ptr;
@@ -337,17 +342,24 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   a.d_w_type = cuda::GradType::bf16;
   ASSERT_EQ(cuda::can_implement(a), "");
   const std::vector<uint16_t> want_g = to_bits(first_g), want_u = to_bits(first_u), want_d = to_bits(first_d);
-  for (int run = 0; run < 2; ++run) {
+  for (const char* schedule : {"", "cooperative", "pingpong"}) {
     hWg.poison();
     hWu.poison();
     hWd.poison();
-    cuda::experts_backward(a, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
+    {
+      const ScheduleEnv env(schedule);
+      ASSERT_TRUE(env.ok);
+      a.num_sms = *schedule == '\0' ? 0 : 3;
+      cuda::experts_backward(a, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
     ASSERT_EQ(dstatus.download()[0], 0);
-    EXPECT_EQ(first_bit_difference(hWg.download(), want_g), -1) << "bf16 dW_gate is not fp32's rounded, run " << run;
-    EXPECT_EQ(first_bit_difference(hWu.download(), want_u), -1) << "bf16 dW_up is not fp32's rounded, run " << run;
-    EXPECT_EQ(first_bit_difference(hWd.download(), want_d), -1) << "bf16 dW_down is not fp32's rounded, run " << run;
+    const std::string where = *schedule == '\0' ? std::string("default schedule") : std::string(schedule);
+    EXPECT_EQ(first_bit_difference(hWg.download(), want_g), -1) << "bf16 dW_gate is not fp32's rounded, " << where;
+    EXPECT_EQ(first_bit_difference(hWu.download(), want_u), -1) << "bf16 dW_up is not fp32's rounded, " << where;
+    EXPECT_EQ(first_bit_difference(hWd.download(), want_d), -1) << "bf16 dW_down is not fp32's rounded, " << where;
   }
+  a.num_sms = 0;
 }
 
 INSTANTIATE_TEST_SUITE_P(Gpu, ExpertBackwardKernels, ::testing::ValuesIn(cases()),

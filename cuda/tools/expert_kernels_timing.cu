@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
@@ -106,8 +107,13 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   b.d_w_up = dWu;
   b.d_w_down = dWd;
   b.status = status;
+  // MOK_TIMING_DW=bf16: bf16 weight gradients (what the layer writes for bf16 weights), else fp32.
+  const char* dw = std::getenv("MOK_TIMING_DW");
+  const bool dw_bf16 = dw != nullptr && std::string(dw) == "bf16";
+  if (dw_bf16) b.d_w_type = mok::cuda::GradType::bf16;
   const float t_bwd = time_ms([&] { mok::cuda::experts_backward(b, nullptr); }, 10);
-  std::printf("    backward (dgrad + wgrad) %7.3f ms %6.1f TF/s\n", t_bwd, 12.0 * M * H * I / t_bwd / 1e9);
+  std::printf("    backward (dgrad + wgrad, %s weight gradients) %7.3f ms %6.1f TF/s\n", dw_bf16 ? "bf16" : "fp32",
+              t_bwd, 12.0 * M * H * I / t_bwd / 1e9);
   for (void* q : {(void*)dgu, (void*)hw, (void*)dx, (void*)rw, (void*)partial, (void*)ddw, (void*)dWg, (void*)dWu, (void*)dWd})
     cudaFree(q);
   int32_t st = 0;

@@ -34,8 +34,6 @@ using EpilogueTileShape = EpilogueTileShapeOf<128>;
 using SmemLayoutEpilogue = SmemLayoutEpilogueOf<128>;
 template <int kRows>
 using SmemLayoutEpilogueF32Of = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kRows>, _32>{}));
-using EpilogueTileShapeF32 = Shape<_128, _32>;
-using SmemLayoutEpilogueF32 = SmemLayoutEpilogueF32Of<128>;
 inline constexpr int kEpilogueThreads = 256;
 // Two staging tiles: chunk k is written into tile k % 2 while the bulk store of chunk k-1 drains.
 // Every epilogue stores an even number of chunks per tile, so each tile starts at staging tile 0.
@@ -76,17 +74,22 @@ struct StoreTensorOf {
 };
 using StoreTensor = StoreTensorOf<128>;
 
-// An fp32 target out[plane][rows, cols] (weight gradients: plane = expert).
+// An fp32 target out[plane][rows, cols] (weight gradients: plane = expert), stored in kRows x 32
+// boxes.
+template <int kRows = 128>
 inline auto make_store_tma_f32(float* ptr, int rows, int cols, int64_t row_stride, int planes, int64_t plane_stride) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, planes),
                                                          make_stride(row_stride, _1{}, plane_stride)));
-  return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogueF32{}, EpilogueTileShapeF32{});
+  return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogueF32Of<kRows>{}, Shape<Int<kRows>, _32>{});
 }
 
-struct StoreTensorF32 {
-  decltype(make_store_tma_f32(nullptr, 1, 1, 1, 1, 1)) tma;
+template <int kRows_>
+struct StoreTensorF32Of {
+  static constexpr int kRows = kRows_;
+  decltype(make_store_tma_f32<kRows_>(nullptr, 1, 1, 1, 1, 1)) tma;
   int rows, cols, planes;
 };
+using StoreTensorF32 = StoreTensorF32Of<128>;
 
 template <class Target>
 struct StagingTraits;
@@ -100,13 +103,13 @@ struct StagingTraits<StoreTensorOf<kRows_>> {
   static constexpr int kCols = 64;
   static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
-template <>
-struct StagingTraits<StoreTensorF32> {
+template <int kRows_>
+struct StagingTraits<StoreTensorF32Of<kRows_>> {
   using Element = float;
   using Pair = float2;
-  using Layout = SmemLayoutEpilogueF32;
-  using TileShape = EpilogueTileShapeF32;
-  static constexpr int kRows = 128;
+  using Layout = SmemLayoutEpilogueF32Of<kRows_>;
+  using TileShape = Shape<Int<kRows_>, _32>;
+  static constexpr int kRows = kRows_;
   static constexpr int kCols = 32;
   static __device__ __forceinline__ Pair pack(float a, float b) { return make_float2(a, b); }
 };
@@ -238,8 +241,12 @@ using StoreEpilogue = StoreEpilogueOf<128>;
 
 // Weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns, in the target's
 // element type (fp32, or bf16 rounded once), in chunks of the staging tile's columns.
+// With 64-row targets each consumer warpgroup stores its own half of the 128-row tile (t.m_block
+// then counts 64-row blocks), so the grouped GEMM can run one warpgroup's epilogue under the
+// other's mainloop (kPerWarpgroup; grouped_gemm_kernel.cuh, "turns").
 template <class Target>
 struct StorePlanesEpilogue {
+  static constexpr bool kPerWarpgroup = Target::kRows == 64;
   struct Params {
     Target out;
   };
@@ -261,6 +268,8 @@ struct StorePlanesEpilogue {
 };
 using StoreF32Epilogue = StorePlanesEpilogue<StoreTensorF32>;
 using StoreBf16PlanesEpilogue = StorePlanesEpilogue<StoreTensor>;
+using StoreF32TurnsEpilogue = StorePlanesEpilogue<StoreTensorF32Of<64>>;
+using StoreBf16PlanesTurnsEpilogue = StorePlanesEpilogue<StoreTensorOf<64>>;
 
 // Backward of the down projection's input side, fused with the SwiGLU backward. The accumulator
 // is dh = dy * W_down (unscaled) for 256 columns of I. With the saved g, u (bf16), h and the row's

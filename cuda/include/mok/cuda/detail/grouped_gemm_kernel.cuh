@@ -9,7 +9,15 @@
 // shared by all roles -> one branch per role.
 //   warpgroup 0: producer (one elected thread issues the TMA loads of A and B)
 //   warpgroups 1, 2: consumers (64 rows x 256 columns each, wgmma from shared memory; epilogue)
+// With an epilogue that stores per warpgroup (Epilogue::kPerWarpgroup: the weight gradients'
+// 64-row targets) the consumers take turns: warpgroup 1 reduces tile j while warpgroup 2 still
+// stores tile j - 1, then the other way round, so one warpgroup's epilogue runs under the other's
+// mainloop. A weight-gradient tile reduces only K = an expert's rows (4 k-blocks at 256 rows),
+// and then stores as many bytes as it loaded: the two warpgroups' epilogues together stopped the
+// tensor cores for about as long as the mainloop ran. Same k order per output element: the same bits.
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -37,6 +45,24 @@ struct GroupedGemmSharedStorage {
 
 // Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles.
 enum class TileOrder { grouped_rows, expert_weights };
+
+// Named barriers 4 + c: consumer warpgroup c's turn to run its mainloop (ids 2, 3 are the
+// per-warpgroup epilogues', 1 both consumers'). The ping-pong kernel and the turns here use them.
+inline constexpr int kTurnBarrier = 4;
+
+__device__ __forceinline__ void wait_turn(int c) {
+  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + c) : "memory");
+}
+__device__ __forceinline__ void give_turn(int other) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + other) : "memory");
+}
+
+// Epilogue::kPerWarpgroup, false where the epilogue does not say.
+template <class Epilogue, class = void>
+inline constexpr bool kPerWarpgroupEpilogue = false;
+template <class Epilogue>
+inline constexpr bool kPerWarpgroupEpilogue<Epilogue, std::void_t<decltype(Epilogue::kPerWarpgroup)>> =
+    Epilogue::kPerWarpgroup;
 
 // The consumers' mainloop of one tile: acc = the sum over k-blocks [k_begin, k_end) (at least
 // one) of the stages' A x B^T, reading each stage once its TMA loads landed and releasing it once
@@ -153,16 +179,34 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
+    constexpr bool kTurns = kPerWarpgroupEpilogue<Epilogue>;
+    const int c = warpgroup - 1;
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = tile_at(linear);
+      const bool last = linear + int(gridDim.x) >= total;
+      // Turns: warpgroup 0 starts; each gives the other the turn after its mainloop (warpgroup 1
+      // after its last tile's gives nothing: warpgroup 0 has no next tile to wait for).
+      if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
       if (t.k_end <= t.k_begin) {
         clear(acc);  // nothing to reduce (an empty expert's weight gradient): the tile is zero
       } else {
         reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end);
       }
-      Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
+      if constexpr (kTurns) {
+        if (c == 0 || !last) give_turn(1 - c);
+        // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging tiles.
+        GroupedTile half = t;
+        half.m_block = 2 * t.m_block + c;
+        const auto coords = [&](int i) {
+          return make_tuple(get<0>(tCcC(i)) - 64 * c, get<1>(tCcC(i)));
+        };
+        Epilogue::apply(p.epilogue, half, acc, coords, consumer_thread % 128,
+                        smem.staging[0] + c * (kEpilogueBuffers * kStagingElems / 2));
+      } else {
+        Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
+      }
     }
-    drain_stores(consumer_thread);
+    drain_stores(kTurns ? consumer_thread % 128 : consumer_thread);
   }
 }
 

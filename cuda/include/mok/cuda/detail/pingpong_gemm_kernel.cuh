@@ -32,15 +32,6 @@ using namespace cute;
 
 inline constexpr int kPingPongRows = 64;  // rows of a warpgroup's tile
 inline constexpr int kPingPongStagingElems = kPingPongRows * 64;
-// Named barriers 4 + c: warpgroup c's turn to run its mainloop (ids 2, 3 are the epilogues').
-inline constexpr int kTurnBarrier = 4;
-
-__device__ __forceinline__ void wait_turn(int c) {
-  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + c) : "memory");
-}
-__device__ __forceinline__ void give_turn(int other) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + other) : "memory");
-}
 
 template <class Mainloop>
 struct PingPongSharedStorage {
