@@ -256,6 +256,9 @@ struct StorePlanesEpilogue {
                                bfloat16_t* staging) {
     using Traits = StagingTraits<Target>;
     constexpr int kChunks = GemmConfig::kBlockN / Traits::kCols;
+    // A 64-row half wholly past the output's rows (its 128-row tile's other half is not) stores
+    // nothing: the box would lie outside the tensor.
+    if (t.m_block * Target::kRows >= p.out.rows) return;
     static_for<kChunks>([&](auto c_) {
       constexpr int c = decltype(c_)::value;
       store_chunk<Traits::kCols / 2 * c>(staging, c, p.out, coords, Traits::kCols * c, t.m_block,

@@ -185,15 +185,19 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const GroupedTile t = tile_at(linear);
       const bool last = linear + int(gridDim.x) >= total;
       // Turns: warpgroup 0 starts; each gives the other the turn after its mainloop (warpgroup 1
-      // after its last tile's gives nothing: warpgroup 0 has no next tile to wait for).
+      // after its last tile gives nothing: warpgroup 0 has no next tile to wait for). A tile of
+      // more k-blocks than stages is reduced by both at once (warpgroup 0 gives the turn before
+      // its mainloop): alone, warpgroup 0 would wait for stages that only the other frees.
+      const bool together = t.k_end - t.k_begin > kStages;
       if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
+      if (kTurns && c == 0 && together) give_turn(1);
       if (t.k_end <= t.k_begin) {
         clear(acc);  // nothing to reduce (an empty expert's weight gradient): the tile is zero
       } else {
         reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end);
       }
       if constexpr (kTurns) {
-        if (c == 0 || !last) give_turn(1 - c);
+        if (c == 0 ? !together : !last) give_turn(1 - c);
         // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging tiles.
         GroupedTile half = t;
         half.m_block = 2 * t.m_block + c;
