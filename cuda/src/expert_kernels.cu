@@ -57,10 +57,11 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
 // ping-pong (one warpgroup per 64-row tile, its epilogue under the other's mainloop). Each launch
 // names the one measured faster for it (bench.gemms, session 9, 6 presets x 3 sizes on one H200):
 // the dgrad's dh launch, whose SwiGLU backward epilogue is latency-bound, ran 14-28% faster
-// ping-pong; the forward's gate|up and down ran up to 16% slower. MOK_EXPERT_SCHEDULE=cooperative
-// or pingpong forces one schedule on all three, read at each call (the benchmark's A/B switch).
-// The weight gradients' ping-pong keeps the cooperative 128-row tiles and lets the two warpgroups
-// take turns, each storing its 64 rows under the other's mainloop (grouped_gemm_kernel.cuh).
+// ping-pong; the forward's gate|up and down ran up to 16% slower. The weight gradients' ping-pong
+// keeps the cooperative 128-row tiles and lets the two warpgroups take turns, each storing its 64
+// rows under the other's mainloop (grouped_gemm_kernel.cuh): 6-9% faster at 256 and 384 rows per
+// expert, 0-3% at 1024 (session 11), so it is theirs. MOK_EXPERT_SCHEDULE=cooperative or pingpong
+// forces one schedule on every launch, read at each call (the benchmark's A/B switch).
 // can_implement reports a bad value, so the megakernel's stage kernels refuse it before their first
 // launch; the launchers check again (the variable may change in between).
 enum class Schedule { cooperative, pingpong };
