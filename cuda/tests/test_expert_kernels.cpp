@@ -247,7 +247,7 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
 
   std::vector<uint16_t> first_dx, first_dgu, first_hw;
   std::vector<float> first_dw, first_g, first_u, first_d;
-  for (int run = 0; run < 5; ++run) {
+  const auto poison_outputs = [&] {
     ddx.poison();
     ddw.poison();
     dWg.poison();
@@ -255,6 +255,9 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
     dWd.poison();
     dgu.poison();
     dhw.poison();
+  };
+  for (int run = 0; run < 5; ++run) {
+    poison_outputs();
     cuda::experts_backward(a, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     ASSERT_EQ(dstatus.download()[0], 0);
@@ -306,13 +309,7 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   for (const char* schedule : {"cooperative", "pingpong"}) {
     for (int run = 0; run < 2; ++run) {
       a.num_sms = run == 0 ? 0 : 3;
-      ddx.poison();
-      ddw.poison();
-      dWg.poison();
-      dWu.poison();
-      dWd.poison();
-      dgu.poison();
-      dhw.poison();
+      poison_outputs();
       {
         const ScheduleEnv env(schedule);
         ASSERT_TRUE(env.ok);
