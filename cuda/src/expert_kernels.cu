@@ -60,7 +60,7 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
 // ping-pong; the forward's gate|up and down ran up to 16% slower. The weight gradients' ping-pong
 // keeps the cooperative 128-row tiles and lets the two warpgroups take turns, each storing its 64
 // rows under the other's mainloop (grouped_gemm_kernel.cuh): 6-9% faster at 256 and 384 rows per
-// expert, 0-3% at 1024 (session 11), so it is theirs. MOK_EXPERT_SCHEDULE=cooperative or pingpong
+// expert, 0-3% at 1024 (session 11), so it is their default. MOK_EXPERT_SCHEDULE=cooperative or pingpong
 // forces one schedule on every launch, read at each call (the benchmark's A/B switch).
 // can_implement reports a bad value, so the megakernel's stage kernels refuse it before their first
 // launch; the launchers check again (the variable may change in between).
@@ -278,7 +278,8 @@ void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
     } else if (a.d_w_type == GradType::bf16) {
       run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), host_util::bf16_planes_target(out, a_cols, b_cols, El));
     } else if (turns) {
-      run(static_cast<detail::StoreF32TurnsEpilogue*>(nullptr), host_util::f32_planes_target<64>(out, a_cols, b_cols, El));
+      run(static_cast<detail::StoreF32TurnsEpilogue*>(nullptr),
+          host_util::f32_planes_target<64>(out, a_cols, b_cols, El));
     } else {
       run(static_cast<detail::StoreF32Epilogue*>(nullptr), host_util::f32_planes_target(out, a_cols, b_cols, El));
     }
@@ -347,8 +348,11 @@ void preload_expert_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<KMajor, detail::StoreEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32Epilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesEpilogue>), what);
-  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32TurnsEpilogue>), what);
-  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesTurnsEpilogue>), what);
+  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<MnMajor, detail::StoreF32TurnsEpilogue>),
+        what);
+  check(cudaFuncGetAttributes(&attr,
+                              detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesTurnsEpilogue>),
+        what);
   check(cudaFuncGetAttributes(&attr, reduce_row_partials), what);
 }
 

@@ -77,7 +77,8 @@ using StoreTensor = StoreTensorOf<128>;
 // An fp32 target out[plane][rows, cols] (weight gradients: plane = expert), stored in kRows x 32
 // boxes.
 template <int kRows = 128>
-inline auto make_store_tma_f32(float* ptr, int rows, int cols, int64_t row_stride, int planes, int64_t plane_stride) {
+inline auto make_store_tma_f32(float* ptr, int rows, int cols, int64_t row_stride, int planes,
+                               int64_t plane_stride) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, planes),
                                                          make_stride(row_stride, _1{}, plane_stride)));
   return make_tma_atom(SM90_TMA_STORE{}, t, SmemLayoutEpilogueF32Of<kRows>{}, Shape<Int<kRows>, _32>{});

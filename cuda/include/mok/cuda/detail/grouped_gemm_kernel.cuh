@@ -184,10 +184,11 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = tile_at(linear);
       const bool last = linear + int(gridDim.x) >= total;
-      // Turns: warpgroup 0 starts; each gives the other the turn after its mainloop (warpgroup 1
-      // after its last tile gives nothing: warpgroup 0 has no next tile to wait for). A tile of
-      // more k-blocks than stages is reduced by both at once (warpgroup 0 gives the turn before
-      // its mainloop): alone, warpgroup 0 would wait for stages that only the other frees.
+      // Turns (consumer c = warpgroup 1 + c): consumer 0 starts; each gives the other the turn
+      // after its mainloop (consumer 1 after its last tile gives nothing: consumer 0 has no next
+      // tile to wait for). A tile of more k-blocks than stages is reduced by both at once
+      // (consumer 0 gives the turn before its mainloop): alone, consumer 0 would wait for stages
+      // that only the other frees.
       const bool together = t.k_end - t.k_begin > kStages;
       if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
       if (kTurns && c == 0 && together) give_turn(1);
@@ -201,9 +202,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging tiles.
         GroupedTile half = t;
         half.m_block = 2 * t.m_block + c;
-        const auto coords = [&](int i) {
-          return make_tuple(get<0>(tCcC(i)) - 64 * c, get<1>(tCcC(i)));
-        };
+        const auto coords = [&](int i) { return make_tuple(get<0>(tCcC(i)) - 64 * c, get<1>(tCcC(i))); };
         Epilogue::apply(p.epilogue, half, acc, coords, consumer_thread % 128,
                         smem.staging[0] + c * (kEpilogueBuffers * kStagingElems / 2));
       } else {
