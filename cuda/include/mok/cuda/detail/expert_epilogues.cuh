@@ -1,6 +1,6 @@
 // Epilogues of the expert GEMMs: from the fp32 accumulator tile (128 x 256, two consumer
-// warpgroups of 64 rows) to bf16 outputs in global memory, through one swizzled 128 x 64 shared
-// memory tile and TMA bulk stores. The stores run asynchronously: the consumers go on to the next
+// warpgroups of 64 rows) to bf16 outputs in global memory, through swizzled 128 x 64 shared
+// memory tiles (64 x 64 per warpgroup where each stores its own rows) and TMA bulk stores. The stores run asynchronously: the consumers go on to the next
 // tile's mainloop while the last chunk drains. Rows past an expert's real rows are the segment's
 // zero padding rows (segments are 128-row aligned, so a tile never crosses an expert), whose
 // outputs are exactly zero; columns past the output width are clipped by the TMA unit.
@@ -25,7 +25,8 @@ using namespace cute;
 
 // The staging tile: 128 rows of 128 bytes (64 bf16 or 32 fp32 columns) with the 128-byte swizzle
 // (conflict-free for the accumulator's 8-row x 16-byte write pattern). The ping-pong kernel's
-// warpgroups each own a 64-row tile and stage 64 rows (the *Of<64> forms).
+// warpgroups each own a 64-row tile and stage 64 rows (the *Of<64> forms), as do the weight
+// gradients' warpgroups taking turns (each its half of a 128-row tile).
 template <int kRows>
 using EpilogueTileShapeOf = Shape<Int<kRows>, _64>;
 template <int kRows>

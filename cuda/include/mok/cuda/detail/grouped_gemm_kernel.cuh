@@ -38,7 +38,9 @@ template <class Element>
 struct GroupedGemmSharedStorage {
   alignas(1024) Element a[OperandConfig<Element>::kStageElemsA * GemmConfig::kStages];
   alignas(1024) Element b[OperandConfig<Element>::kStageElemsB * GemmConfig::kStages];
-  alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];  // the epilogue's 128 x 64 output tiles
+  // The epilogue's two 128 x 64 output tiles; with per-warpgroup epilogues (turns) staging[c] is
+  // consumer c's two 64-row tiles.
+  alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];
   GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
 };
@@ -180,6 +182,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
     constexpr bool kTurns = kPerWarpgroupEpilogue<Epilogue>;
+    static_assert(!kTurns || kEpilogueBuffers * 64 * 64 <= kStagingElems,
+                  "staging[c] holds a warpgroup's two 64 x 64 staging tiles");
     const int c = warpgroup - 1;
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = tile_at(linear);
@@ -203,8 +207,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         GroupedTile half = t;
         half.m_block = 2 * t.m_block + c;
         const auto coords = [&](int i) { return make_tuple(get<0>(tCcC(i)) - 64 * c, get<1>(tCcC(i))); };
-        Epilogue::apply(p.epilogue, half, acc, coords, consumer_thread % 128,
-                        smem.staging[0] + c * (kEpilogueBuffers * kStagingElems / 2));
+        Epilogue::apply(p.epilogue, half, acc, coords, consumer_thread % 128, smem.staging[c]);
       } else {
         Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
       }
