@@ -66,6 +66,20 @@ template <class Epilogue>
 inline constexpr bool kPerWarpgroupEpilogue<Epilogue, std::void_t<decltype(Epilogue::kPerWarpgroup)>> =
     Epilogue::kPerWarpgroup;
 
+// The producer's part of one tile: the k-blocks [k_begin, k_end) of its operands into the
+// pipeline's stages, in order, each stage once the consumers freed it. Every kernel here and both
+// megakernel passes load with it.
+template <class Mainloop, class Element, class Pipeline, class State>
+__device__ __forceinline__ void load_k_blocks(const typename Mainloop::Params& load, Element* smem_a,
+                                              Element* smem_b, const GroupedTile& t, Pipeline& pipeline,
+                                              State& state) {
+  for (int kb = t.k_begin; kb < t.k_end; ++kb) {
+    pipeline.producer_acquire(state);
+    Mainloop::load(load, smem_a, smem_b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
+    ++state;
+  }
+}
+
 // The consumers' mainloop of one tile: acc = the sum over k-blocks [k_begin, k_end) (at least
 // one) of the stages' A x B^T, reading each stage once its TMA loads landed and releasing it once
 // the wgmma batch after it was issued (one batch stays in flight). Every kernel here and both
@@ -155,14 +169,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
-        const GroupedTile t = tile_at(linear);
-        for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-          pipeline.producer_acquire(state);
-          Mainloop::load(p.mainloop, smem.a, smem.b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
-          ++state;
-        }
-      }
+      for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
+        load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {

@@ -108,13 +108,7 @@ struct BackwardPass {
       fence_proxy_async();  // what the counters announced is read by TMA
       ready_expert = task.tile.expert;
     }
-    const BackwardWgradMainloop::Params& load = p.wgrad_load[task.wgrad - 1];
-    for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
-      pipeline.producer_acquire(state);
-      BackwardWgradMainloop::load(load, smem_a, smem_b, task.tile, kb, state.index(),
-                                  *pipeline.producer_get_barrier(state));
-      ++state;
-    }
+    load_k_blocks<BackwardWgradMainloop>(p.wgrad_load[task.wgrad - 1], smem_a, smem_b, task.tile, pipeline, state);
   }
 
   // Consumers: the tile's reduction over the expert's rows in order (zero for an empty expert),

@@ -642,12 +642,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
                                task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
-        const typename Mainloop::Params& load = task.second ? p.second_load : p.first_load;
-        for (int kb = task.tile.k_begin; kb < task.tile.k_end; ++kb) {
-          pipeline.producer_acquire(state);
-          Mainloop::load(load, smem.a, smem.b, task.tile, kb, state.index(), *pipeline.producer_get_barrier(state));
-          ++state;
-        }
+        load_k_blocks<Mainloop>(task.second ? p.second_load : p.first_load, smem.a, smem.b, task.tile, pipeline,
+                                state);
       }
       pipeline.producer_tail(state);
     }

@@ -82,14 +82,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync()) {
       const int total = sched.total_tiles();
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
-        const GroupedTile t = sched.tile(linear);
-        for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-          pipeline.producer_acquire(state);
-          Mainloop::load(p.mainloop, smem.a, smem.b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
-          ++state;
-        }
-      }
+      for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
+        load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, sched.tile(linear), pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {
