@@ -3,7 +3,7 @@
 # tools/gpu.sh settings (each tree with its own gpu.sh and build), logs under $OUT/a and $OUT/b.
 #
 # Here (the CPU machine):   bash tools/ab_trees.sh prepare 44bed8e      # writes .ab/44bed8e (ignored)
-# On the device (carry [".deps", ".ab"]):
+# On the device (carry [".devdeps", ".ab"]):
 #   MOK_AB_TREE=.ab/44bed8e MOK_GPU_STEPS="build sweep_2gpu" MOK_SWEEP_PASSES=backward ... bash tools/ab_trees.sh run
 # MOK_DEADLINE_S is split between the two runs.
 set -uo pipefail
@@ -23,7 +23,8 @@ case "${1:-}" in
     half=$(( ${MOK_DEADLINE_S:-540} / 2 ))
     mkdir -p "$out/a" "$out/b"
     OUT="$out/a" MOK_DEADLINE_S="$half" bash tools/gpu.sh; a=$?
-    ln -sfn "$ROOT/.deps" "$tree/.deps"
+    deps="$ROOT/.deps"; [ -d "$deps" ] || deps="$ROOT/.devdeps"  # an older tree's gpu.sh knows only .deps
+    ln -sfn "$deps" "$tree/.deps"
     (cd "$tree" && OUT="$out/b" MOK_DEADLINE_S="$half" MOK_COMMIT="$(cat .commit)" bash tools/gpu.sh); b=$?
     echo "== A (this tree): exit $a; B ($tree): exit $b"
     for side in a b; do echo "== $side"; cat "$out/$side/summary.txt" 2>/dev/null | grep -v "^==.*steps" | tail -30; done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build with CUDA, run the GPU tests, the sanitizers and the benchmarks, with
 # every log under $OUT (the device tool brings that folder back). Run from the repository root on
-# a machine with H200s, carrying .deps (CUTLASS headers, and GoogleTest where the image has none):
+# a machine with H200s, carrying .devdeps (tools/device_deps.sh: CUTLASS headers, GoogleTest, pybind11, pytest):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_SANITIZE_FILTER (the GPU tests run under compute-sanitizer), MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_2GPU (e.g. "baselines_2gpu:tokens=8192"), MOK_DEADLINE_S.
@@ -22,6 +22,10 @@ mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 BUILD="${MOK_BUILD_DIR:-$ROOT/build-gpu}"
+# The dependencies: .deps (tools/setup.sh), or its trimmed copy .devdeps (tools/device_deps.sh),
+# which fits the device tool's 64 MiB beside the tracked tree.
+DEPS="${MOK_DEPS:-$ROOT/.deps}"
+[ -f "$DEPS/cutlass/include/cute/tensor.hpp" ] || DEPS="$ROOT/.devdeps"
 STEPS="${MOK_GPU_STEPS:-build sass tests sanitize bench_experts}"
 COMMIT="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export MOK_COMMIT="$COMMIT" MOK_CUDA_LIB="$BUILD/cuda/libmok_cuda_capi.so"
@@ -52,9 +56,9 @@ CLOCKS_PID=$!
 
 if has build; then
   gtest_args=()
-  [ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DGTEST_ROOT="$ROOT/.deps/gtest")
+  [ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DGTEST_ROOT="$DEPS/gtest")
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON \
-       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" "${gtest_args[@]}" \
+       -DCUTLASS_INCLUDE_DIR="$DEPS/cutlass/include" "${gtest_args[@]}" \
        ${MOK_CUDA_FLAGS:+-DCMAKE_CUDA_FLAGS="$MOK_CUDA_FLAGS"} > "$LOGS/build.log" 2>&1 &&
      cmake --build "$BUILD" -j "$(nproc)" ${MOK_BUILD_TARGETS:+--target $MOK_BUILD_TARGETS} >> "$LOGS/build.log" 2>&1; then
     log "build ok"
@@ -98,13 +102,13 @@ RUNS
 fi
 
 if has pytest; then
-  # mok._C for the machine's python3 (pybind11 carried in .deps), then the Python GPU tests.
+  # mok._C for the machine's python3 (pybind11 carried in .devdeps), then the Python GPU tests.
   if cmake -S . -B "$ROOT/build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON -DMOK_BUILD_TESTS=OFF \
        -DMOK_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
-       -Dpybind11_DIR="$ROOT/.deps/pybind11/share/cmake/pybind11" \
-       -DCUTLASS_INCLUDE_DIR="$ROOT/.deps/cutlass/include" > "$LOGS/pybuild.log" 2>&1 &&
+       -Dpybind11_DIR="$DEPS/pybind11/share/cmake/pybind11" \
+       -DCUTLASS_INCLUDE_DIR="$DEPS/cutlass/include" > "$LOGS/pybuild.log" 2>&1 &&
      timeout --kill-after=10 "$(left 300)" cmake --build "$ROOT/build-py" -j "$(nproc)" --target mok_python >> "$LOGS/pybuild.log" 2>&1; then
-    python3 -c "import pytest" 2>/dev/null || export PYTHONPATH="$ROOT/.deps/pypkgs:$PYTHONPATH"  # carried by setup.sh
+    python3 -c "import pytest" 2>/dev/null || export PYTHONPATH="$DEPS/pypkgs:$PYTHONPATH"  # carried by setup.sh
     # 240 s for the 2-GPU machine; the every-GPU case adds up to 400 s on 4 and 8 GPUs.
     pytest_s=240; (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 4 )) && pytest_s=640
     if timeout --kill-after=10 "$(left $pytest_s)" python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_layer.py tests/python/test_cuda_distributed.py \
