@@ -245,14 +245,14 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     err_dgrad = max(err_dh_act, err_dx)
     errors = dict(gate_up=err_gate_up, down=err_down, dgrad=err_dgrad, dgrad_act=err_dgrad, dh_act=err_dh_act,
                   dx=err_dx, wgrad=err_wgrad)
-    steps = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
+    calls = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
                  dgrad_act=(mok_dgrad, torch_dgrad_act), dh_act=(mok_dh_act, torch_dh_act), dx=(mok_dx, torch_dx),
                  wgrad=(mok_wgrad, torch_wgrad))
-    for step in steps:
+    for step in steps:  # the steps asked for (the name once held the table of calls: every step ran)
         if not errors[step] <= tolerance:  # NaN fails too
             raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "
                                f"(relative L2 error {errors[step]:.3e} > {tolerance})")
-        ours, theirs = steps[step]
+        ours, theirs = calls[step]
         # Interleaved twice: the power cap moves the clocks between measurements.
         mok_times, torch_times = [], []
         for _ in range(2):
@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help="which of " + ",".join(STEPS))
     ap.add_argument("--schedules", default="default",
                     help="the expert kernels' schedules to time, one after the other on each shape: default (each "
-                         "launch's own), or cooperative / pingpong for all (MOK_EXPERT_SCHEDULE); torch is timed again beside each")
+                         "launch's own), or cooperative / pingpong for all (MOK_EXPERT_SCHEDULE); a '+rows' suffix "
+                         "times the weight gradients in the rows tile order (MOK_WGRAD_TILES=rows; default columns); "
+                         "torch is timed again beside each")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
     ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
     args = ap.parse_args(argv)
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = tuple(args.steps.split(","))
     schedules = args.schedules.split(",")
-    unknown = [s for s in steps if s not in STEPS] + [s for s in schedules if s not in ("default", "cooperative", "pingpong")]
+    unknown = [s for s in steps if s not in STEPS] + [
+        s for s in schedules if s.removesuffix("+rows") not in ("default", "cooperative", "pingpong")]
     if unknown:
         ap.error(f"unknown step or schedule: {', '.join(unknown)}")
     dense = dense_tflops()
@@ -288,11 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     for rpe in (int(r) for r in args.rows.split(",")):
         for preset in args.presets.split(","):
             for schedule in schedules:
-                # The launchers read MOK_EXPERT_SCHEDULE on every call.
-                if schedule == "default":
+                # The launchers read MOK_EXPERT_SCHEDULE and MOK_WGRAD_TILES on every call.
+                kernels = schedule.removesuffix("+rows")
+                if kernels == "default":
                     os.environ.pop("MOK_EXPERT_SCHEDULE", None)
                 else:
-                    os.environ["MOK_EXPERT_SCHEDULE"] = schedule
+                    os.environ["MOK_EXPERT_SCHEDULE"] = kernels
+                if schedule.endswith("+rows"):
+                    os.environ["MOK_WGRAD_TILES"] = "rows"
+                else:
+                    os.environ.pop("MOK_WGRAD_TILES", None)
                 shape_rows = run_shape(preset, rpe, dense, args.iters, args.tolerance, steps=steps, schedule=schedule)
                 for row in shape_rows:
                     rows.append(row)

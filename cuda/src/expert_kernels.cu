@@ -66,10 +66,26 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
 // launch; the launchers check again (the variable may change in between).
 enum class Schedule { cooperative, pingpong };
 
+// The weight gradients' tile order (ExpertTileScheduler): columns by default, each CTA keeping a
+// column's B tiles (the activations) in shared memory while it goes down the column's row
+// blocks; MOK_WGRAD_TILES=rows restores the rows order, every stage loading both operands.
 std::string schedule_problem() {
+  std::string why;
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "pingpong") == 0 || std::strcmp(v, "cooperative") == 0) return "";
-  return std::string("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") + v + "'; ";
+  if (!(v == nullptr || *v == '\0' || std::strcmp(v, "pingpong") == 0 || std::strcmp(v, "cooperative") == 0))
+    why += std::string("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") + v + "'; ";
+  const char* w = std::getenv("MOK_WGRAD_TILES");
+  if (!(w == nullptr || *w == '\0' || std::strcmp(w, "columns") == 0 || std::strcmp(w, "rows") == 0))
+    why += std::string("MOK_WGRAD_TILES must be columns or rows, got '") + w + "'; ";
+  return why;
+}
+
+detail::TileOrder wgrad_order() {
+  if (const std::string why = schedule_problem(); !why.empty())
+    throw std::invalid_argument("mok cuda: " + host_util::trimmed(why));
+  const char* w = std::getenv("MOK_WGRAD_TILES");
+  return w != nullptr && std::strcmp(w, "rows") == 0 ? detail::TileOrder::expert_weights
+                                                      : detail::TileOrder::expert_weight_columns;
 }
 
 bool pingpong(Schedule preferred) {
@@ -260,13 +276,14 @@ void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   // 3. Weight gradients, per expert over its rows in order: dW_gate = dg^T x, dW_up = du^T x,
   //    dW_down = dy^T hw. A is read transposed (MN-major), B too. Empty experts get zeros.
   // The tiles are fp32 or bf16 (d_w_type): the same accumulation, one rounding in the epilogue.
+  const detail::TileOrder order = wgrad_order();
   auto wgrad = [&](const void* a_ptr, int64_t a_cols, int64_t a_row_stride, const void* b_ptr, int64_t b_cols,
                    void* out) {
     const MnMajor::Params m = host_util::weight_grad_operands(a_ptr, a_cols, a_row_stride, b_ptr, b_cols, R);
     auto run = [&](auto* epilogue, const auto& e) {  // epilogue: a null pointer naming the type
       using Epilogue = std::remove_pointer_t<decltype(epilogue)>;
       detail::GroupedGemmParams<MnMajor, Epilogue> p{
-          m, e, detail::TileOrder::expert_weights, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
+          m, e, order, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
           ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
       launch(p, a.num_sms, stream);
     };

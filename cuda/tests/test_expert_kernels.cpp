@@ -32,10 +32,15 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-// MOK_EXPERT_SCHEDULE set for a scope, and unset again however the scope ends.
+// MOK_EXPERT_SCHEDULE (and MOK_WGRAD_TILES) set for a scope, and unset again however the scope ends.
 struct ScheduleEnv {
-  explicit ScheduleEnv(const char* schedule) { ok = setenv("MOK_EXPERT_SCHEDULE", schedule, 1) == 0; }
-  ~ScheduleEnv() { unsetenv("MOK_EXPERT_SCHEDULE"); }
+  explicit ScheduleEnv(const char* schedule, const char* wgrad_tiles = "") {
+    ok = setenv("MOK_EXPERT_SCHEDULE", schedule, 1) == 0 && setenv("MOK_WGRAD_TILES", wgrad_tiles, 1) == 0;
+  }
+  ~ScheduleEnv() {
+    unsetenv("MOK_EXPERT_SCHEDULE");
+    unsetenv("MOK_WGRAD_TILES");
+  }
   bool ok;
 };
 
@@ -305,19 +310,23 @@ TEST_P(ExpertBackwardKernels, BackwardMatchesTheReferenceAndIsDeterministic) {
   // Every launch on each schedule, the same bits as the defaults above: cooperative (128-row
   // tiles; the dh launch's default is ping-pong, one warpgroup per 64-row tile) and ping-pong (the
   // weight gradients' form: cooperative tiles whose two warpgroups take turns, each storing its 64
-  // rows under the other's mainloop), on every SM and then on 3 CTAs (many tiles each).
+  // rows under the other's mainloop), each with the weight gradients in the columns order (the
+  // default: B kept across a column's tiles, stages holding B k-blocks of other experts and
+  // columns as the k-blocks per expert change) and in the rows order, on every SM and then on 3
+  // CTAs (many tiles each).
   for (const char* schedule : {"cooperative", "pingpong"}) {
-    for (int run = 0; run < 2; ++run) {
-      a.num_sms = run == 0 ? 0 : 3;
+    for (int run = 0; run < 4; ++run) {
+      a.num_sms = run % 2 == 0 ? 0 : 3;
+      const char* tiles = run < 2 ? "columns" : "rows";
       poison_outputs();
       {
-        const ScheduleEnv env(schedule);
+        const ScheduleEnv env(schedule, tiles);
         ASSERT_TRUE(env.ok);
         cuda::experts_backward(a, nullptr);
         CUDA_OK(cudaDeviceSynchronize());
       }
       ASSERT_EQ(dstatus.download()[0], 0);
-      const std::string where = std::string(schedule) + " (run " + std::to_string(run) + ")";
+      const std::string where = std::string(schedule) + ", " + tiles + " (run " + std::to_string(run) + ")";
       EXPECT_EQ(first_bit_difference(dgu.download(), first_dgu), -1) << "dg|du differs, " << where;
       EXPECT_EQ(first_bit_difference(dhw.download(), first_hw), -1) << "w*h differs, " << where;
       EXPECT_EQ(first_bit_difference(ddx.download(), first_dx), -1) << "dx differs, " << where;

@@ -31,8 +31,9 @@ TEST(MegakernelChecks, CombineSlotsPastTwoToThe24AreRefusedByName) {
 }
 
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
-// cooperative or pingpong; anything else is refused by name, by can_implement and before a kernel
-// is launched (the arguments point at host memory: a launch would fail with a CUDA error instead).
+// cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows;
+// anything else is refused by name, by can_implement and before a kernel is launched (the
+// arguments point at host memory: a launch would fail with a CUDA error instead).
 TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   std::vector<uint16_t> rows(128 * 64);
   std::vector<int32_t> offsets{0, 128};
@@ -53,7 +54,6 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   b.dgu = b.hw = b.dx = b.d_w_gate = b.d_w_up = b.d_w_down = rows.data();
   b.row_weight = b.dw_partial = b.d_row_weight = reinterpret_cast<float*>(rows.data());
   ASSERT_EQ(can_implement(b), "");
-  ASSERT_EQ(setenv("MOK_EXPERT_SCHEDULE", "pingpong2", 1), 0);
   const auto refused = [](auto&& call) {
     try {
       call();
@@ -64,14 +64,21 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
     }
     return std::string("not refused");
   };
-  const std::string forward = refused([&] { experts_forward(f, nullptr); });
-  const std::string backward = refused([&] { experts_backward(b, nullptr); });
-  // can_implement names it too: the megakernel's stage kernels refuse it before any launch.
-  const std::string checked_forward = can_implement(f), checked_backward = can_implement(b);
-  unsetenv("MOK_EXPERT_SCHEDULE");
-  for (const std::string& what : {forward, backward, checked_forward, checked_backward}) {
-    EXPECT_NE(what.find("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"), std::string::npos)
-        << what;
+  struct Bad {
+    const char* variable;
+    const char* value;
+    const char* message;
+  };
+  for (const Bad& bad : {Bad{"MOK_EXPERT_SCHEDULE", "pingpong2", "MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"},
+                         Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"}}) {
+    ASSERT_EQ(setenv(bad.variable, bad.value, 1), 0);
+    const std::string forward = refused([&] { experts_forward(f, nullptr); });
+    const std::string backward = refused([&] { experts_backward(b, nullptr); });
+    // can_implement names it too: the megakernel's stage kernels refuse it before any launch.
+    const std::string checked_forward = can_implement(f), checked_backward = can_implement(b);
+    unsetenv(bad.variable);
+    for (const std::string& what : {forward, backward, checked_forward, checked_backward})
+      EXPECT_NE(what.find(bad.message), std::string::npos) << what;
   }
 }
 

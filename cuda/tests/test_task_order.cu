@@ -121,5 +121,61 @@ TEST(MegakernelTaskOrder, MalformedOffsetsHaveNoTasks) {
   EXPECT_EQ((MegaTasks<MegaForwardParams>{*p, *s}.total()), 0);
 }
 
+// The weight gradients' tiles (ExpertTileScheduler) in both orders: every (expert, row block,
+// column block) exactly once, reducing over its expert's k-blocks. In the columns order each CTA
+// (linear indices b, b + ctas, ...) goes down whole columns, row block after row block, so its
+// consecutive tiles read the same B tiles, except in the last columns, which go over all CTAs.
+void check_weight_tiles(const std::vector<int32_t>& rows, int m_blocks, int n_blocks, int ctas) {
+  auto s = std::make_unique<GroupedTileSchedulerStorage<GemmConfig::kMaxExperts>>();
+  const int experts = int(rows.size());
+  s->offsets[0] = 0;
+  for (int e = 0; e < experts; ++e) s->offsets[e + 1] = s->offsets[e] + rows[e];
+  s->status = 0;
+  using Sched = ExpertTileScheduler<128, 64, GemmConfig::kMaxExperts>;
+  const Sched sched{*s, experts, m_blocks, n_blocks, ctas};
+  const int total = sched.total_tiles();
+  ASSERT_EQ(total, experts * m_blocks * n_blocks);
+  const int columns = experts * n_blocks, full = columns / std::max(ctas, 1) * ctas;
+  std::set<std::tuple<int, int, int>> seen;
+  for (int b = 0; b < std::max(ctas, 1); ++b) {
+    int i = 0;
+    for (int linear = b; linear < total; linear += std::max(ctas, 1), ++i) {
+      const GroupedTile t = sched.tile(linear);
+      ASSERT_GE(t.expert, 0);
+      ASSERT_LT(t.expert, experts);
+      ASSERT_GE(t.m_block, 0);
+      ASSERT_LT(t.m_block, m_blocks);
+      ASSERT_GE(t.n_block, 0);
+      ASSERT_LT(t.n_block, n_blocks);
+      ASSERT_EQ(t.k_begin, s->offsets[t.expert] / 64);
+      ASSERT_EQ(t.k_end, s->offsets[t.expert + 1] / 64);
+      ASSERT_TRUE(seen.insert({t.expert, t.m_block, t.n_block}).second) << "tile " << linear << " repeats";
+      if (ctas > 0 && linear < full * m_blocks) {  // CTA b's i-th tile: column i / M round's, row block i % M
+        const int column = i / m_blocks * ctas + b;
+        ASSERT_EQ(t.expert, column / n_blocks) << "CTA " << b << " tile " << i;
+        ASSERT_EQ(t.n_block, column % n_blocks) << "CTA " << b << " tile " << i;
+        ASSERT_EQ(t.m_block, i % m_blocks) << "CTA " << b << " tile " << i;
+      } else if (ctas == 0) {  // rows order: expert-major, row block, column block fastest
+        ASSERT_EQ(linear, (t.expert * m_blocks + t.m_block) * n_blocks + t.n_block);
+      }
+    }
+  }
+  EXPECT_EQ(int(seen.size()), total);
+}
+
+TEST(WeightGradientTileOrder, EveryTileOnceAndColumnsStayOnTheirCta) {
+  check_weight_tiles(std::vector<int32_t>(192, 256), 24, 28, 132);  // deepseek-v4 dW_gate on 2 ranks
+  check_weight_tiles(std::vector<int32_t>(192, 256), 56, 12, 132);  // its dW_down
+  check_weight_tiles({128, 0, 384, 1024}, 3, 5, 3);
+  check_weight_tiles({128, 0, 384, 1024}, 3, 5, 0);
+  check_weight_tiles({256}, 2, 1, 132);  // fewer columns than CTAs: all in the tail
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 100; ++trial) {
+    std::vector<int32_t> rows(1 + rng() % 20);
+    for (int32_t& r : rows) r = 128 * int32_t(rng() % 6);
+    check_weight_tiles(rows, int(1 + rng() % 30), int(1 + rng() % 30), int(rng() % 140));
+  }
+}
+
 }  // namespace
 }  // namespace mok::cuda::detail

@@ -123,6 +123,18 @@ __device__ __forceinline__ void static_for(F&& f) {
   cute::for_each(make_int_sequence<N>{}, f);
 }
 
+// One pair of a staging tile, stored through its 32-bit shared-window address: st.shared, where
+// the dereferenced pointer compiled to a generic store (ST.E, an address-space lookup per store;
+// 8% of the weight gradients' stall samples, session 11).
+__device__ __forceinline__ void store_shared(void* at, __nv_bfloat162 v) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(at));
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(reinterpret_cast<const uint32_t&>(v)) : "memory");
+}
+__device__ __forceinline__ void store_shared(void* at, float2 v) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(at));
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(v.x), "f"(v.y) : "memory");
+}
+
 // Writes chunk number `chunk` of a tile: value(Int<i>) for the thread's accumulator values
 // i in [kI0, kI0 + kCols/2) (pairs i, i+1) goes to its (row, col - col0) in staging tile chunk % 2,
 // then one thread stores that tile at (m_block, n_chunk, plane) of the target. A staging tile is
@@ -141,7 +153,7 @@ __device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, cons
   static_for<Traits::kCols / 4>([&](auto j) {
     constexpr int i = kI0 + 2 * decltype(j)::value;
     const int r = get<0>(coords(i)), c = get<1>(coords(i)) - col0;
-    *reinterpret_cast<Pair*>(&sC(r, c)) = value(Int<i>{});
+    store_shared(&sC(r, c), Pair(value(Int<i>{})));
   });
   tma_store_fence();  // make the generic-proxy writes visible to the bulk copy
   epilogue_sync<Traits::kRows>();

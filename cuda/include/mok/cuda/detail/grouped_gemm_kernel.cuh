@@ -43,10 +43,13 @@ struct GroupedGemmSharedStorage {
   alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];
   GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
+  int held_b[GemmConfig::kStages][3];  // the producer's load_k_blocks_keeping_b: each stage's B k-block
 };
 
-// Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles.
-enum class TileOrder { grouped_rows, expert_weights };
+// Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles in
+// the rows or the columns order (ExpertTileScheduler; in the columns order the producer keeps a
+// column's B tiles in shared memory where the Mainloop can, kCanKeepB).
+enum class TileOrder { grouped_rows, expert_weights, expert_weight_columns };
 
 // Named barriers 4 + c: consumer warpgroup c's turn to run its mainloop (ids 2, 3 are the
 // per-warpgroup epilogues', 1 both consumers'). The ping-pong kernel and the turns here use them.
@@ -76,6 +79,39 @@ __device__ __forceinline__ void load_k_blocks(const typename Mainloop::Params& l
   for (int kb = t.k_begin; kb < t.k_end; ++kb) {
     pipeline.producer_acquire(state);
     Mainloop::load(load, smem_a, smem_b, t, kb, state.index(), *pipeline.producer_get_barrier(state));
+    ++state;
+  }
+}
+
+// Mainloop::kCanKeepB, false where the mainloop does not say.
+template <class Mainloop, class = void>
+inline constexpr bool kCanKeepB = false;
+template <class Mainloop>
+inline constexpr bool kCanKeepB<Mainloop, std::void_t<decltype(Mainloop::kCanKeepB)>> = Mainloop::kCanKeepB;
+
+// load_k_blocks where consecutive tiles may read the same B tiles (the weight gradients in the
+// columns order): `held[s]` (shared memory) names the B k-block in stage s, and a stage that already holds the
+// one it needs is given only A (the pipeline's transaction bytes are A's; a B load adds its own
+// before either copy is issued, so the stage cannot complete early). Its consumers released the
+// stage, so nothing reads or writes its B in between. With k-blocks per tile dividing the
+// stages (2 or 4: an expert's rows are padded to 128) the tiles of a column after the first one
+// or two load A alone: a third of the bytes.
+template <class Mainloop, class Element, class Pipeline, class State, class Held>
+__device__ __forceinline__ void load_k_blocks_keeping_b(const typename Mainloop::Params& load, Element* smem_a,
+                                                        Element* smem_b, const GroupedTile& t, Pipeline& pipeline,
+                                                        State& state, Held& held) {
+  for (int kb = t.k_begin; kb < t.k_end; ++kb) {
+    pipeline.producer_acquire(state);
+    auto& bar = *pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    const auto key = Mainloop::b_key(load, t, kb);
+    if (held[stage] == key) {
+      Mainloop::template load<true, false>(load, smem_a, smem_b, t, kb, stage, bar);
+    } else {
+      pipeline.producer_expect_transaction(state, Mainloop::kStageBytesB);
+      Mainloop::load(load, smem_a, smem_b, t, kb, stage, bar);
+      held[stage] = key;
+    }
     ++state;
   }
 }
@@ -147,8 +183,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (bad != 0 && threadIdx.x == 0 && blockIdx.x == 0 && p.status != nullptr) atomicCAS(p.status, 0, bad);
     if (threadIdx.x == 0) Mainloop::prefetch(p.mainloop);
   }
+  const bool keep_b = kCanKeepB<Mainloop> && p.order == TileOrder::expert_weight_columns;
   typename Pipeline::Params pp;
   pp.transaction_bytes = Mainloop::Operand::kStageBytes;
+  if constexpr (kCanKeepB<Mainloop>) {
+    static_assert(Mainloop::kStageBytesA + Mainloop::kStageBytesB == Mainloop::Operand::kStageBytes);
+    if (keep_b) pp.transaction_bytes = Mainloop::kStageBytesA;  // a B load adds its bytes itself
+  }
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
@@ -158,7 +199,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   const GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts> rows_sched{smem.tiles, p.experts,
                                                                                      p.n_blocks, p.k_blocks};
   const ExpertTileScheduler<GemmConfig::kBlockM, Mainloop::kBlockK, GemmConfig::kMaxExperts> weight_sched{
-      smem.tiles, p.experts, p.m_blocks, p.n_blocks};
+      smem.tiles, p.experts, p.m_blocks, p.n_blocks,
+      p.order == TileOrder::expert_weight_columns ? int(gridDim.x) : 0};
   const bool by_rows = p.order == TileOrder::grouped_rows;
   // A malformed schedule computes nothing (the status word says why).
   const int total = by_rows ? rows_sched.total_tiles() : weight_sched.total_tiles();
@@ -169,8 +211,21 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
-        load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state);
+      bool loaded = false;
+      if constexpr (kCanKeepB<Mainloop>) {
+        if (keep_b) {
+          auto* held = reinterpret_cast<typename Mainloop::BKey*>(smem.held_b);
+          static_assert(sizeof(typename Mainloop::BKey) == sizeof(smem.held_b[0]));
+          for (int s = 0; s < kStages; ++s) held[s] = Mainloop::kNoB;
+          for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
+            load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state, held);
+          loaded = true;
+        }
+      }
+      if (!loaded) {
+        for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
+          load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state);
+      }
       pipeline.producer_tail(state);
     }
   } else {

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include <cute/config.hpp>
+
 namespace mok::cuda::detail {
 
 struct GroupedTile {
@@ -89,26 +91,51 @@ struct GroupedTileScheduler {
 };
 
 // Tiles of the per-expert weight gradients: every expert has m_blocks x n_blocks output tiles
-// of W (column fastest), each reducing over all of that expert's rows in order, one k-block of
-// kBlockK rows after the other: a fixed reduction order, no split-K. An empty expert's tiles have
-// no k-blocks and store zeros.
+// of W, each reducing over all of that expert's rows in order, one k-block of kBlockK rows after
+// the other: a fixed reduction order, no split-K. An empty expert's tiles have no k-blocks and
+// store zeros. Two orders of the same tiles (the order changes no tile's bits):
+//   rows (ctas == 0): expert-major, then row block, column block fastest.
+//   columns (ctas > 0, the CTAs striding the linear order): a column is an expert's column block
+//     (e * n_blocks + n); CTA b takes whole columns b, b + ctas, b + 2 ctas, ..., each row block
+//     after the other, so its consecutive tiles read the same B tile (the activations' k-blocks
+//     for that column): kept in shared memory, only A is loaded again (the producer's
+//     load_k_blocks_keeping_b). The columns left after the last full round of ctas columns go
+//     tile by tile over all CTAs (no reuse there, but no CTA takes a whole extra column).
 template <int kBlockM, int kBlockK, int kMaxExperts>
 struct ExpertTileScheduler {
   const GroupedTileSchedulerStorage<kMaxExperts>& s;
   int num_experts;
   int m_blocks;
   int n_blocks;
+  int ctas = 0;  // > 0: the column order for this many CTAs
 
-  __device__ int total_tiles() const { return s.status == 0 ? num_experts * m_blocks * n_blocks : 0; }
+  // Host and device: test_task_order.cu checks the orders on the CPU.
+  CUTE_HOST_DEVICE int total_tiles() const { return s.status == 0 ? num_experts * m_blocks * n_blocks : 0; }
 
-  __device__ GroupedTile tile(int linear) const {
-    const int per_expert = m_blocks * n_blocks;
+  CUTE_HOST_DEVICE GroupedTile tile(int linear) const {
+    int column, m;
+    if (ctas > 0) {
+      const int full = num_experts * n_blocks / ctas * ctas;  // columns of the full rounds
+      if (linear < full * m_blocks) {
+        const int i = linear / ctas;  // this CTA's i-th tile
+        column = i / m_blocks * ctas + linear % ctas;
+        m = i % m_blocks;
+      } else {
+        const int j = linear - full * m_blocks;
+        column = full + j / m_blocks;
+        m = j % m_blocks;
+      }
+    } else {
+      const int per_expert = m_blocks * n_blocks;
+      const int e = linear / per_expert, local = linear - e * per_expert;
+      column = e * n_blocks + local % n_blocks;
+      m = local / n_blocks;
+    }
     GroupedTile t;
-    t.expert = linear / per_expert;
-    const int local = linear - t.expert * per_expert;
-    t.m_block = local / n_blocks;
-    t.save_m_block = t.m_block;
-    t.n_block = local % n_blocks;
+    t.expert = column / n_blocks;
+    t.m_block = m;
+    t.save_m_block = m;
+    t.n_block = column % n_blocks;
     t.row_end = s.offsets[t.expert + 1];
     t.k_begin = s.offsets[t.expert] / kBlockK;
     t.k_end = s.offsets[t.expert + 1] / kBlockK;

@@ -156,23 +156,43 @@ struct BackwardMainloopOf {
     prefetch_tma_descriptor(p.tma_b1.get_tma_descriptor());
   }
 
-  template <class Barrier>
+  // Which B tile k-block kb of tile t reads: equal keys, equal bytes (the producer keeps B in a
+  // stage that already holds it, load_k_blocks_keeping_b).
+  struct BKey {
+    int n_block, kb, l;
+    __device__ bool operator==(const BKey& o) const { return n_block == o.n_block && kb == o.kb && l == o.l; }
+  };
+  static constexpr BKey kNoB{-1, -1, -1};
+  static constexpr bool kCanKeepB = true;
+  static constexpr uint32_t kStageBytesA = kStageElemsA * sizeof(Element);
+  static constexpr uint32_t kStageBytesB = kStageBytes - kStageBytesA;
+  static __device__ BKey b_key(const Params& p, const GroupedTile& t, int kb) {
+    return {t.n_block, kb, p.b_by_expert ? t.expert : 0};
+  }
+
+  // Issues k-block kb of tile t (its A and B; or one of them) into `stage`, completing on `bar`.
+  // One thread.
+  template <bool kLoadA = true, bool kLoadB = true, class Barrier>
   static __device__ void load(const Params& p, Element* smem_a, Element* smem_b, const GroupedTile& t, int kb,
                               int stage, Barrier& bar) {
     const int plane = kb < p.kb_per_plane ? 0 : 1;
     const int k_in_plane = plane == 0 ? kb : kb - p.kb_per_plane;
-    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_m, p.a_k, p.a_planes));
-    Tensor gA = local_tile(mA, TileA{}, make_coord(_, _, _));  // (BM, BK, m, k, plane)
-    Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
-    auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-    copy(p.tma_a.with(bar), tAg(_, t.m_block, k_in_plane, plane), tAs(_, stage));
-    Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
-    const int l = p.b_by_expert ? t.expert : 0;
-    const auto& tma_b = plane == 0 ? p.tma_b0 : p.tma_b1;  // the two descriptors differ only in their tensor
-    Tensor mB = tma_b.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
-    Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));  // (BN, BK, n, k, l)
-    auto [tBg, tBs] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
-    copy(tma_b.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
+    if constexpr (kLoadA) {
+      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_m, p.a_k, p.a_planes));
+      Tensor gA = local_tile(mA, TileA{}, make_coord(_, _, _));  // (BM, BK, m, k, plane)
+      Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
+      auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      copy(p.tma_a.with(bar), tAg(_, t.m_block, k_in_plane, plane), tAs(_, stage));
+    }
+    if constexpr (kLoadB) {
+      Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
+      const int l = p.b_by_expert ? t.expert : 0;
+      const auto& tma_b = plane == 0 ? p.tma_b0 : p.tma_b1;  // the two descriptors differ only in their tensor
+      Tensor mB = tma_b.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
+      Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));  // (BN, BK, n, k, l)
+      auto [tBg, tBs] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+      copy(tma_b.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
+    }
   }
 };
 template <GMMA::Major kMajorA>
