@@ -90,6 +90,14 @@ struct GroupedTileScheduler {
   }
 };
 
+// The most rows of one expert (segments of st's offsets), for every lane of the calling warp.
+template <int kMaxExperts>
+__device__ int longest_segment(const GroupedTileSchedulerStorage<kMaxExperts>& st, int num_experts) {
+  int longest = 0;
+  for (int e = threadIdx.x % 32; e < num_experts; e += 32) longest = max(longest, st.offsets[e + 1] - st.offsets[e]);
+  return __reduce_max_sync(0xffffffffu, longest);
+}
+
 // Tiles of the per-expert weight gradients: every expert has m_blocks x n_blocks output tiles
 // of W, each reducing over all of that expert's rows in order, one k-block of kBlockK rows after
 // the other: a fixed reduction order, no split-K. An empty expert's tiles have no k-blocks and
