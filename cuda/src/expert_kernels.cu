@@ -294,12 +294,12 @@ void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
     const bool turns = pingpong(Schedule::pingpong);
     if (a.d_w_type == GradType::bf16 && turns) {
       run(static_cast<detail::StoreBf16PlanesTurnsEpilogue*>(nullptr),
-          host_util::bf16_planes_target<16>(out, a_cols, b_cols, El));
+          host_util::bf16_planes_target<64>(out, a_cols, b_cols, El));
     } else if (a.d_w_type == GradType::bf16) {
       run(static_cast<detail::StoreBf16PlanesEpilogue*>(nullptr), host_util::bf16_planes_target(out, a_cols, b_cols, El));
     } else if (turns) {
       run(static_cast<detail::StoreF32TurnsEpilogue*>(nullptr),
-          host_util::f32_planes_target<16>(out, a_cols, b_cols, El));
+          host_util::f32_planes_target<64>(out, a_cols, b_cols, El));
     } else {
       run(static_cast<detail::StoreF32Epilogue*>(nullptr), host_util::f32_planes_target(out, a_cols, b_cols, El));
     }

@@ -1,7 +1,6 @@
 // Epilogues of the expert GEMMs: from the fp32 accumulator tile (128 x 256, two consumer
 // warpgroups of 64 rows) to bf16 outputs in global memory, through swizzled 128 x 64 shared
-// memory tiles (64 x 64 per ping-pong warpgroup, 16 x 64 per warp in the weight gradients'
-// turns) and TMA bulk stores. The stores run asynchronously: the consumers go on to the next
+// memory tiles (64 x 64 per warpgroup where each stores its own rows) and TMA bulk stores. The stores run asynchronously: the consumers go on to the next
 // tile's mainloop while the last chunk drains. Rows past an expert's real rows are the segment's
 // zero padding rows (segments are 128-row aligned, so a tile never crosses an expert), whose
 // outputs are exactly zero; columns past the output width are clipped by the TMA unit.
@@ -26,8 +25,8 @@ using namespace cute;
 
 // The staging tile: 128 rows of 128 bytes (64 bf16 or 32 fp32 columns) with the 128-byte swizzle
 // (conflict-free for the accumulator's 8-row x 16-byte write pattern). The ping-pong kernel's
-// warpgroups each own a 64-row tile and stage 64 rows (the *Of<64> forms); the weight gradients'
-// warps taking turns stage 16 rows each (the *Of<16> forms, store_warp_chunk).
+// warpgroups each own a 64-row tile and stage 64 rows (the *Of<64> forms), as do the weight
+// gradients' warpgroups taking turns (each its half of a 128-row tile).
 template <int kRows>
 using EpilogueTileShapeOf = Shape<Int<kRows>, _64>;
 template <int kRows>
@@ -167,38 +166,6 @@ __device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, cons
   }
 }
 
-// store_chunk for one warp's 16 rows (Target::kRows == 16): the warp writes them into its own
-// staging slab (chunk % 2 of its two) and its lane 0 stores that slab, at 16-row block m16; no
-// barrier between warps, only the warp's own (each lane 0 waits for its own bulk stores).
-// `row0`: the warp's first row in coords.
-template <int kI0, class Target, class Coords, class Value>
-__device__ __forceinline__ void store_warp_chunk(bfloat16_t* staging, int chunk, const Target& target,
-                                                 const Coords& coords, int row0, int col0, int m16, int n_chunk,
-                                                 int plane, int lane, Value value) {
-  using Traits = StagingTraits<Target>;
-  static_assert(Traits::kRows == 16, "a warp's slab is its 16 rows");
-  using Element = typename Traits::Element;
-  using Pair = typename Traits::Pair;
-  Element* buffer = reinterpret_cast<Element*>(staging + (chunk % kEpilogueBuffers) * (Traits::kRows * 64));
-  Tensor sC = make_tensor(make_smem_ptr(buffer), typename Traits::Layout{});
-  if (lane == 0) tma_store_wait<kEpilogueBuffers - 1>();
-  __syncwarp();
-  static_for<Traits::kCols / 4>([&](auto j) {
-    constexpr int i = kI0 + 2 * decltype(j)::value;
-    const int r = get<0>(coords(i)) - row0, c = get<1>(coords(i)) - col0;
-    store_shared(&sC(r, c), Pair(value(Int<i>{})));
-  });
-  tma_store_fence();  // make the generic-proxy writes visible to the bulk copy
-  __syncwarp();
-  if (lane == 0) {
-    Tensor mC = target.tma.get_tma_tensor(make_shape(target.rows, target.cols, target.planes));
-    Tensor gC = local_tile(mC, typename Traits::TileShape{}, make_coord(_, _, _));  // (16, cols, m, n, plane)
-    auto [tCg, tCs] = tma_partition(target.tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC), group_modes<0, 2>(gC));
-    copy(target.tma, tCs, tCg(_, m16, n_chunk, plane));
-    tma_store_arrive();
-  }
-}
-
 // Called once by every consumer thread after its last tile: the bulk stores have completed.
 __device__ __forceinline__ void drain_stores(int thread) {
   if (thread == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -288,14 +255,12 @@ using StoreEpilogue = StoreEpilogueOf<128>;
 
 // Weight gradient tiles: out[expert][row, col] = acc over the tile's 256 columns, in the target's
 // element type (fp32, or bf16 rounded once), in chunks of the staging tile's columns.
-// With 16-row targets each consumer warpgroup stores only its own half of the 128-row tile
-// (t.m_block then counts 64-row blocks), so the grouped GEMM can run one warpgroup's epilogue
-// under the other's mainloop (kPerWarpgroup; grouped_gemm_kernel.cuh, "turns"), and inside the
-// warpgroup each warp stores its 16 rows on its own (store_warp_chunk): the 64-row form's two
-// warpgroup barriers per chunk made the epilogue about as long as the other's mainloop.
+// With 64-row targets each consumer warpgroup stores its own half of the 128-row tile (t.m_block
+// then counts 64-row blocks), so the grouped GEMM can run one warpgroup's epilogue under the
+// other's mainloop (kPerWarpgroup; grouped_gemm_kernel.cuh, "turns").
 template <class Target>
 struct StorePlanesEpilogue {
-  static constexpr bool kPerWarpgroup = Target::kRows == 16;
+  static constexpr bool kPerWarpgroup = Target::kRows == 64;
   struct Params {
     Target out;
   };
@@ -305,35 +270,23 @@ struct StorePlanesEpilogue {
                                bfloat16_t* staging) {
     using Traits = StagingTraits<Target>;
     constexpr int kChunks = GemmConfig::kBlockN / Traits::kCols;
-    const auto pair = [&](auto i_) {
-      constexpr int i = decltype(i_)::value;
-      return Traits::pack(acc(i), acc(i + 1));
-    };
-    if constexpr (kPerWarpgroup) {
-      const int warp = thread / 32, lane = thread % 32;
-      const int m16 = 4 * t.m_block + warp;  // the warp's 16-row block
-      // A 16-row block wholly past the output's rows stores nothing: the box would lie outside
-      // the tensor.
-      if (m16 * 16 >= p.out.rows) return;
-      bfloat16_t* slabs = staging + warp * (kEpilogueBuffers * 16 * 64);  // the warp's two 2 KB slabs
-      static_for<kChunks>([&](auto c_) {
-        constexpr int c = decltype(c_)::value;
-        store_warp_chunk<Traits::kCols / 2 * c>(slabs, c, p.out, coords, 16 * warp, Traits::kCols * c, m16,
-                                                kChunks * t.n_block + c, t.expert, lane, pair);
-      });
-    } else {
-      static_for<kChunks>([&](auto c_) {
-        constexpr int c = decltype(c_)::value;
-        store_chunk<Traits::kCols / 2 * c>(staging, c, p.out, coords, Traits::kCols * c, t.m_block,
-                                           kChunks * t.n_block + c, t.expert, thread, pair);
-      });
-    }
+    // A 64-row half wholly past the output's rows (its 128-row tile's other half is not) stores
+    // nothing: the box would lie outside the tensor.
+    if (t.m_block * Target::kRows >= p.out.rows) return;
+    static_for<kChunks>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+      store_chunk<Traits::kCols / 2 * c>(staging, c, p.out, coords, Traits::kCols * c, t.m_block,
+                                         kChunks * t.n_block + c, t.expert, thread, [&](auto i_) {
+                                           constexpr int i = decltype(i_)::value;
+                                           return Traits::pack(acc(i), acc(i + 1));
+                                         });
+    });
   }
 };
 using StoreF32Epilogue = StorePlanesEpilogue<StoreTensorF32>;
 using StoreBf16PlanesEpilogue = StorePlanesEpilogue<StoreTensor>;
-using StoreF32TurnsEpilogue = StorePlanesEpilogue<StoreTensorF32Of<16>>;
-using StoreBf16PlanesTurnsEpilogue = StorePlanesEpilogue<StoreTensorOf<16>>;
+using StoreF32TurnsEpilogue = StorePlanesEpilogue<StoreTensorF32Of<64>>;
+using StoreBf16PlanesTurnsEpilogue = StorePlanesEpilogue<StoreTensorOf<64>>;
 
 // Backward of the down projection's input side, fused with the SwiGLU backward. The accumulator
 // is dh = dy * W_down (unscaled) for 256 columns of I. With the saved g, u (bf16), h and the row's

@@ -10,7 +10,7 @@
 //   warpgroup 0: producer (one elected thread issues the TMA loads of A and B)
 //   warpgroups 1, 2: consumers (64 rows x 256 columns each, wgmma from shared memory; epilogue)
 // With an epilogue that stores per warpgroup (Epilogue::kPerWarpgroup: the weight gradients'
-// 16-row targets, each warp storing its rows) the consumers take turns: warpgroup 1 reduces tile j while warpgroup 2 still
+// 64-row targets) the consumers take turns: warpgroup 1 reduces tile j while warpgroup 2 still
 // stores tile j - 1, then the other way round, so one warpgroup's epilogue runs under the other's
 // mainloop. A weight-gradient tile reduces only K = an expert's rows (4 k-blocks at 256 rows),
 // and then stores as many bytes as it loaded: the two warpgroups' epilogues together stopped the
@@ -39,7 +39,7 @@ struct GroupedGemmSharedStorage {
   alignas(1024) Element a[OperandConfig<Element>::kStageElemsA * GemmConfig::kStages];
   alignas(1024) Element b[OperandConfig<Element>::kStageElemsB * GemmConfig::kStages];
   // The epilogue's two 128 x 64 output tiles; with per-warpgroup epilogues (turns) staging[c] is
-  // consumer c's: two 2 KB slabs (16 rows of 128 bytes) for each of its four warps.
+  // consumer c's two 64-row tiles.
   alignas(1024) bfloat16_t staging[kEpilogueBuffers][kStagingElems];
   GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
     constexpr bool kTurns = kPerWarpgroupEpilogue<Epilogue>;
-    static_assert(!kTurns || 4 * kEpilogueBuffers * 16 * 64 <= kStagingElems,
-                  "staging[c] holds two 16-row slabs for each of a warpgroup's warps");
+    static_assert(!kTurns || kEpilogueBuffers * 64 * 64 <= kStagingElems,
+                  "staging[c] holds a warpgroup's two 64 x 64 staging tiles");
     const int c = warpgroup - 1;
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = tile_at(linear);
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       }
       if constexpr (kTurns) {
         if (c == 0 ? !together : !last) give_turn(1 - c);
-        // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging slabs.
+        // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging tiles.
         GroupedTile half = t;
         half.m_block = 2 * t.m_block + c;
         const auto coords = [&](int i) { return make_tuple(get<0>(tCcC(i)) - 64 * c, get<1>(tCcC(i))); };
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         Epilogue::apply(p.epilogue, t, acc, tCcC, consumer_thread, smem.staging[0]);
       }
     }
-    drain_stores(kTurns ? consumer_thread % 32 : consumer_thread);  // per-warp stores: each lane 0 its own
+    drain_stores(kTurns ? consumer_thread % 128 : consumer_thread);
   }
 }
 
