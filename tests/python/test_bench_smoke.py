@@ -322,3 +322,27 @@ def test_scaling_table_compares_each_case_across_ranks(tmp_path: Path) -> None:
     assert [c[9] for c in cells] == ["1.00", "0.80", "0.50"]        # smallest R's time over this R's
     assert [c[10] for c in cells] == ["1.50", "2.00", ""]           # torch_a2a's time at the same R over this one's
     assert "mixtral" not in scaling.table(scaling.rows(files))      # one R only
+
+
+def test_speedup_table_divides_each_baseline_by_mok_in_the_same_case(tmp_path: Path) -> None:
+    """bench.speedups: per case, the baseline's time over MoK's for baseline (a) and for the best
+    correct baseline; a wrong baseline is neither shown nor best; a case MoK failed is left out."""
+    sys.path.insert(0, str(REPO))
+    from bench import speedups
+
+    def case(impl: str, ms: float, preset: str = "kimi-k2", **extra: object) -> dict[str, object]:
+        return {"kind": "layer", "preset": preset, "tokens_per_rank": 8192, "routing": "balanced", "ranks": 2,
+                "pass": "backward", "impl": impl, "median_ms": ms, "tflops": 400.0, "status": "ok",
+                "correct": True, **extra}
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"cases": [
+        case("torch_a2a", 50.0), case("symm_a2a", 40.0), case("mok", 20.0),
+        case("torch_a2a", 30.0, preset="glm-5.2"), case("symm_a2a", 10.0, preset="glm-5.2", correct=False),
+        case("mok", 15.0, preset="glm-5.2"),
+        case("torch_a2a", 9.0, preset="mixtral-8x7b"), case("mok", 1.0, preset="mixtral-8x7b", status="error")]}))
+    lines = [line for line in speedups.table([path]).splitlines() if line.startswith("| backward")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert [c[3] for c in cells] == ["kimi-k2", "glm-5.2"]  # mixtral: MoK failed
+    assert cells[0][5:] == ["20.00", "400", "50.00", "40.00", "2.50x", "2.00x"]
+    assert cells[1][5:] == ["15.00", "400", "30.00", "-", "2.00x", "2.00x"]
