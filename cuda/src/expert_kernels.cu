@@ -88,7 +88,7 @@ detail::TileOrder wgrad_order() {
     throw std::invalid_argument("mok cuda: " + host_util::trimmed(why));
   const char* w = std::getenv("MOK_WGRAD_TILES");
   return w != nullptr && std::strcmp(w, "rows") == 0 ? detail::TileOrder::expert_weights
-                                                      : detail::TileOrder::expert_weight_columns;
+                                                     : detail::TileOrder::expert_weight_columns;
 }
 
 bool pingpong(Schedule preferred) {

@@ -69,8 +69,10 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
     const char* value;
     const char* message;
   };
-  for (const Bad& bad : {Bad{"MOK_EXPERT_SCHEDULE", "pingpong2", "MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"},
-                         Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"}}) {
+  for (const Bad& bad :
+       {Bad{"MOK_EXPERT_SCHEDULE", "pingpong2",
+            "MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"},
+        Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"}}) {
     ASSERT_EQ(setenv(bad.variable, bad.value, 1), 0);
     const std::string forward = refused([&] { experts_forward(f, nullptr); });
     const std::string backward = refused([&] { experts_backward(b, nullptr); });

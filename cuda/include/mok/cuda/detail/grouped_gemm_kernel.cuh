@@ -91,15 +91,16 @@ template <class Mainloop>
 inline constexpr bool kCanKeepB<Mainloop, std::void_t<decltype(Mainloop::kCanKeepB)>> = Mainloop::kCanKeepB;
 
 // load_k_blocks where consecutive tiles may read the same B tiles (the weight gradients in the
-// columns order): `held[s]` (shared memory) names the B k-block in stage s, and a stage that already holds the
-// one it needs is given only A (the pipeline's transaction bytes are A's; a B load adds its own
-// before either copy is issued, so the stage cannot complete early). Its consumers released the
-// stage, so nothing reads or writes its B in between. With k-blocks per tile dividing the
-// stages (2 or 4: an expert's rows are padded to 128) the tiles of a column after the first one
-// or two load A alone: a third of the bytes.
+// columns order): `held[s]` (shared memory) names the B k-block in stage s, and a stage that
+// already holds the one it needs is given only A (the pipeline's transaction bytes are A's; a B
+// load adds its own before either copy is issued, so the stage cannot complete early). Its
+// consumers released the stage, so nothing reads or writes its B in between. With k-blocks per
+// tile dividing the stages (2 or 4: an expert's rows are padded to 128) the tiles of a column
+// after the first one or two load A alone: a third of the bytes.
 template <class Mainloop, class Element, class Pipeline, class State, class Held>
-__device__ __forceinline__ void load_k_blocks_keeping_b(const typename Mainloop::Params& load, Element* smem_a,
-                                                        Element* smem_b, const GroupedTile& t, Pipeline& pipeline,
+__device__ __forceinline__ void load_k_blocks_keeping_b(const typename Mainloop::Params& load,
+                                                        Element* smem_a, Element* smem_b,
+                                                        const GroupedTile& t, Pipeline& pipeline,
                                                         State& state, Held& held) {
   for (int kb = t.k_begin; kb < t.k_end; ++kb) {
     pipeline.producer_acquire(state);
@@ -229,7 +230,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           static_assert(sizeof(typename Mainloop::BKey) == sizeof(smem.held_b[0]));
           for (int s = 0; s < kStages; ++s) held[s] = Mainloop::kNoB;
           for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
-            load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state, held);
+            load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state,
+                                              held);
           loaded = true;
         }
       }

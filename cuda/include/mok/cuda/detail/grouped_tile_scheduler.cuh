@@ -94,7 +94,8 @@ struct GroupedTileScheduler {
 template <int kMaxExperts>
 __device__ int longest_segment(const GroupedTileSchedulerStorage<kMaxExperts>& st, int num_experts) {
   int longest = 0;
-  for (int e = threadIdx.x % 32; e < num_experts; e += 32) longest = max(longest, st.offsets[e + 1] - st.offsets[e]);
+  for (int e = threadIdx.x % 32; e < num_experts; e += 32)
+    longest = max(longest, st.offsets[e + 1] - st.offsets[e]);
   return __reduce_max_sync(0xffffffffu, longest);
 }
 

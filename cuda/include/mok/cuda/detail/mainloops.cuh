@@ -181,16 +181,19 @@ struct BackwardMainloopOf {
       Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_m, p.a_k, p.a_planes));
       Tensor gA = local_tile(mA, TileA{}, make_coord(_, _, _));  // (BM, BK, m, k, plane)
       Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
-      auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      auto [tAg, tAs] =
+          tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
       copy(p.tma_a.with(bar), tAg(_, t.m_block, k_in_plane, plane), tAs(_, stage));
     }
     if constexpr (kLoadB) {
       Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
       const int l = p.b_by_expert ? t.expert : 0;
-      const auto& tma_b = plane == 0 ? p.tma_b0 : p.tma_b1;  // the two descriptors differ only in their tensor
+      // The two descriptors differ only in their tensor.
+      const auto& tma_b = plane == 0 ? p.tma_b0 : p.tma_b1;
       Tensor mB = tma_b.get_tma_tensor(make_shape(p.b_n, p.b_k, p.b_l));
       Tensor gB = local_tile(mB, TileB{}, make_coord(_, _, _));  // (BN, BK, n, k, l)
-      auto [tBg, tBs] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+      auto [tBg, tBs] =
+          tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
       copy(tma_b.with(bar), tBg(_, t.n_block, k_in_plane, l), tBs(_, stage));
     }
   }
