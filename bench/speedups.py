@@ -7,7 +7,8 @@ and to the best baseline measured).
 One row per (pass, tokens per rank, routing, preset, R) where the impl was measured correct: its
 median ms (slowest rank) and TFLOP/s, each baseline's median ms, the ratio baseline / impl for
 ``--baseline`` and for the best correct baseline of that case ("vs best"). A baseline that failed
-or was wrong is shown as "-" and not counted as best; a case where the impl failed is left out."""
+or was wrong is shown as "-" and not counted as best; a case where the impl failed is left out. A
+case measured in several files takes its row from the last file given."""
 
 from __future__ import annotations
 

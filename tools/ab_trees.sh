@@ -23,7 +23,8 @@ case "${1:-}" in
     half=$(( ${MOK_DEADLINE_S:-540} / 2 ))
     mkdir -p "$out/a" "$out/b"
     OUT="$out/a" MOK_DEADLINE_S="$half" bash tools/gpu.sh; a=$?
-    deps="$ROOT/.deps"; [ -d "$deps" ] || deps="$ROOT/.devdeps"  # an older tree's gpu.sh knows only .deps
+    # An older tree's gpu.sh knows only .deps: give it whichever gpu.sh here would use.
+    deps="$ROOT/.deps"; [ -f "$deps/cutlass/include/cute/tensor.hpp" ] || deps="$ROOT/.devdeps"
     ln -sfn "$deps" "$tree/.deps"
     (cd "$tree" && OUT="$out/b" MOK_DEADLINE_S="$half" MOK_COMMIT="$(cat .commit)" bash tools/gpu.sh); b=$?
     echo "== A (this tree): exit $a; B ($tree): exit $b"

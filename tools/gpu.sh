@@ -24,8 +24,14 @@ cd "$ROOT"
 BUILD="${MOK_BUILD_DIR:-$ROOT/build-gpu}"
 # The dependencies: .deps (tools/setup.sh), or its trimmed copy .devdeps (tools/device_deps.sh),
 # which fits the device tool's 64 MiB beside the tracked tree.
-DEPS="${MOK_DEPS:-$ROOT/.deps}"
-[ -f "$DEPS/cutlass/include/cute/tensor.hpp" ] || DEPS="$ROOT/.devdeps"
+# MOK_DEPS names another folder of the same layout.
+if [ -n "${MOK_DEPS:-}" ]; then
+  DEPS="$MOK_DEPS"
+elif [ -f "$ROOT/.deps/cutlass/include/cute/tensor.hpp" ]; then
+  DEPS="$ROOT/.deps"
+else
+  DEPS="$ROOT/.devdeps"
+fi
 STEPS="${MOK_GPU_STEPS:-build sass tests sanitize bench_experts}"
 COMMIT="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export MOK_COMMIT="$COMMIT" MOK_CUDA_LIB="$BUILD/cuda/libmok_cuda_capi.so"

@@ -163,6 +163,11 @@ std::vector<Case> cases() {
       {"kimi_k2_shape", 7168, 2048, 2, {300, 170}, std::nullopt},
       {"gpt_oss_shape", 2880, 2880, 2, {200, 140}, 7.0f},
       {"qwen3_shape", 2048, 768, 8, {64, 100, 3, 0, 250, 128, 1, 40}, std::nullopt},
+      // Every expert at most 256 rows and 16 x 9 = 144 columns of dW_gate: more than an H200's
+      // 132 SMs, so even on every SM the weight gradients' columns order keeps B (with 2 and 4
+      // k-blocks per expert mixed), not only on the 3-CTA runs.
+      {"many_small_experts", 2304, 256, 16, {200, 256, 17, 0, 128, 90, 250, 1, 256, 64, 0, 129, 33, 256, 100, 7},
+       std::nullopt},
   };
 }
 

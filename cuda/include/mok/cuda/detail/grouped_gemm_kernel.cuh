@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         if (keep_b) {
           auto* held = reinterpret_cast<typename Mainloop::BKey*>(smem.held_b);
           static_assert(sizeof(typename Mainloop::BKey) == sizeof(smem.held_b[0]));
-          for (int s = 0; s < kStages; ++s) held[s] = Mainloop::kNoB;
+          for (int s = 0; s < kStages; ++s) held[s] = typename Mainloop::BKey{-1, -1, -1};  // none held
           for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
             load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state,
                                               held);

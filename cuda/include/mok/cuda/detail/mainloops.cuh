@@ -162,7 +162,6 @@ struct BackwardMainloopOf {
     int n_block, kb, l;
     __device__ bool operator==(const BKey& o) const { return n_block == o.n_block && kb == o.kb && l == o.l; }
   };
-  static constexpr BKey kNoB{-1, -1, -1};
   static constexpr bool kCanKeepB = true;
   static constexpr uint32_t kStageBytesA = kStageElemsA * sizeof(Element);
   static constexpr uint32_t kStageBytesB = kStageBytes - kStageBytesA;
