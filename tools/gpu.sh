@@ -215,10 +215,10 @@ fi
 if has sweep_2gpu; then
   # Plan sweeps of the fused layer (bench/impls/mok_kernels.py: MOK_BENCH_PLAN), one torchrun per
   # entry: MOK_SWEEP_PLANS="comm=8;default;default NCCL_DEBUG=INFO" (a plan or
-  # "default", then optional VAR=value settings for that run), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS;
+  # "default", then optional VAR=value settings for that run; unset: "default" alone), cases MOK_SWEEP_CASES, impls MOK_SWEEP_IMPLS;
   # MOK_SWEEP_PROFILE=1: each timed pass's kernels by device time (torch profiler) under profile_<plan>/.
   # MOK_SWEEP_TIMEOUT: seconds one torchrun may take (default 200).
-  IFS=';' read -ra entries <<< "${MOK_SWEEP_PLANS:-}"
+  IFS=';' read -ra entries <<< "${MOK_SWEEP_PLANS:-default}"  # unset: the planner's plan alone
   for entry in "${entries[@]}"; do
     read -r plan settings <<< "$entry"
     [ "$plan" = "default" ] && plan=""  # the planner's choices
