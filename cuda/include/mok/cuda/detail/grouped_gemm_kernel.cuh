@@ -223,8 +223,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      bool loaded = false;
-      if constexpr (kCanKeepB<Mainloop>) {
+      if constexpr (kCanKeepB<Mainloop>) {  // keep_b is false for any other mainloop
         if (keep_b) {
           auto* held = reinterpret_cast<typename Mainloop::BKey*>(smem.held_b);
           static_assert(sizeof(typename Mainloop::BKey) == sizeof(smem.held_b[0]));
@@ -232,10 +231,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
             load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state,
                                               held);
-          loaded = true;
         }
       }
-      if (!loaded) {
+      if (!keep_b) {
         for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
           load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state);
       }
