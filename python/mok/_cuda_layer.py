@@ -279,8 +279,8 @@ def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tens
     """The shared expert on MoK's expert kernels (one expert, every token a row; gate|up with the
     fused SwiGLU, then down): (x rows, g|u, h) kept for the backward when ``keep``, and y_shared."""
     T, H = x.shape
-    offsets, _ = _shared_rows(T, x.device)
-    rows = int(-(-T // kernels.ROW_ALIGN) * kernels.ROW_ALIGN)
+    offsets, weight = _shared_rows(T, x.device)
+    rows = weight.shape[0]  # T rounded up to the row alignment, as _shared_rows made them
     wg, wu, wd = _shared_weights(s_gate, s_up, s_down)
     Is = wg.shape[1]
     x_rows = _padded(x.to(torch.bfloat16), rows)
