@@ -338,11 +338,38 @@ def test_speedup_table_divides_each_baseline_by_mok_in_the_same_case(tmp_path: P
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"cases": [
         case("torch_a2a", 50.0), case("symm_a2a", 40.0), case("mok", 20.0),
+        case("mok_gemms", 10.0, baseline=False),  # MoK's own GEMMs alone: a column, never the best baseline
         case("torch_a2a", 30.0, preset="glm-5.2"), case("symm_a2a", 10.0, preset="glm-5.2", correct=False),
         case("mok", 15.0, preset="glm-5.2"),
         case("torch_a2a", 9.0, preset="mixtral-8x7b"), case("mok", 1.0, preset="mixtral-8x7b", status="error")]}))
     lines = [line for line in speedups.table([path]).splitlines() if line.startswith("| backward")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     assert [c[3] for c in cells] == ["kimi-k2", "glm-5.2"]  # mixtral: MoK failed
-    assert cells[0][5:] == ["20.00", "400", "50.00", "40.00", "2.50x", "2.00x"]
-    assert cells[1][5:] == ["15.00", "400", "30.00", "-", "2.00x", "2.00x"]
+    assert cells[0][5:] == ["20.00", "400", "50.00", "40.00", "10.00", "2.50x", "2.00x"]
+    assert cells[1][5:] == ["15.00", "400", "30.00", "-", "-", "2.00x", "2.00x"]
+
+
+def test_targets_table_names_what_a_missed_target_would_need(tmp_path: Path) -> None:
+    """bench.speedups --targets: forward wants 2.0x baseline (a) and 1.5x the best baseline; a
+    miss shows the time meeting both and the share of the measured dense rate it implies."""
+    sys.path.insert(0, str(REPO))
+    from bench import speedups
+
+    def case(impl: str, ms: float, pass_: str = "forward", **extra: object) -> dict[str, object]:
+        return {"kind": "layer", "preset": "kimi-k2", "tokens_per_rank": 8192, "routing": "balanced", "ranks": 2,
+                "pass": pass_, "impl": impl, "median_ms": ms, "tflops": 1.0, "status": "ok", "correct": True,
+                "flops": 8e12, **extra}
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"ceilings": {"bf16_tflops": 800.0}, "cases": [
+        # forward: (a) 24 ms wants <= 12; the best baseline 20 ms wants <= 13.33: 12 ms needed
+        case("torch_a2a", 24.0), case("symm_a2a", 20.0), case("mok", 13.0, floor_ms=10.0),
+        case("mok_gemms", 10.4, baseline=False),
+        # backward: 1.6x of 32 = 20, 1.3x of 26 = 20: met at 16
+        case("torch_a2a", 32.0, "backward"), case("symm_a2a", 26.0, "backward"), case("mok", 16.0, "backward")]}))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in speedups.targets([path]).splitlines()
+            if line.startswith("| forward") or line.startswith("| backward")]
+    forward, backward = rows
+    assert forward[5:] == ["13.00", "77%", "1.85x / 2.0x", "1.54x / 1.5x", "no", "12.00", "83%", "10.00", "1.25x"]
+    assert backward[9:12] == ["yes", "20.00", "50%"]
+    assert backward[13] == "-"  # no mok_gemms row for the backward
