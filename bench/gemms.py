@@ -277,15 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
     ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.gemms needs a GPU (the MoK kernels are sm_90a)", file=sys.stderr)
-        return 2
     steps = tuple(args.steps.split(","))
     schedules = args.schedules.split(",")
     unknown = [s for s in steps if s not in STEPS] + [
         s for s in schedules if s.removesuffix("+rows") not in ("default", "cooperative", "pingpong")]
     if unknown:
         ap.error(f"unknown step or schedule: {', '.join(unknown)}")
+    try:  # every shape checked before the first is timed
+        for rpe in args.rows.split(","):
+            balanced_counts(1, int(rpe))
+    except ValueError as e:
+        ap.error(f"--rows: {e}")
+    if not torch.cuda.is_available():
+        print("bench.gemms needs a GPU (the MoK kernels are sm_90a)", file=sys.stderr)
+        return 2
     dense = dense_tflops()
     rows: list[Row] = []
     for rpe in (int(r) for r in args.rows.split(",")):

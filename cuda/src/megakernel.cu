@@ -164,6 +164,26 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
   return why.str();
 }
 
+// A CUDA graph replays its launches with the arguments they were captured with, the call's epoch
+// among them. One rank alone meets only itself at its barriers, in stream order, so its replays are
+// right; with peers, a replay would find their flags at that epoch already and read their buffers
+// before they wrote this call's rows. Refused before anything is launched (the capture stays valid).
+void refuse_capture_with_peers(const RoutingShape& s, cudaStream_t stream, const char* what) {
+  if (s.ranks <= 1) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; cleared so that it is not reported by a later call
+    throw std::invalid_argument(std::string(what) + ": cannot tell whether the stream is being captured (" +
+                                cudaGetErrorString(e) + ")");
+  }
+  if (capture != cudaStreamCaptureStatusNone)
+    throw std::invalid_argument(
+        std::string(what) + ": CUDA graph capture of a call with " + std::to_string(s.ranks) +
+        " ranks is not supported (the call's epoch is a launch argument, so a replay would pass the peers' "
+        "barriers without them); capture with one rank, or run this layer outside the graph");
+}
+
 // What both passes' megakernel reads beside its GEMMs (detail::MegaPassParams), from a call's
 // arguments (MoeForwardArgs or MoeBackwardArgs: the same names): rows pulled from every rank's
 // `pull` region into `ring_x` (`ring_rows` of them), pushed into their `push` region, and this
@@ -377,6 +397,7 @@ std::string can_implement(const MoeForwardArgs& a) {
 
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
+  refuse_capture_with_peers(a.shape, stream, "mok moe_forward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts();
@@ -563,6 +584,7 @@ std::string can_implement(const MoeBackwardArgs& a) {
 
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+  refuse_capture_with_peers(a.shape, stream, "mok moe_backward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;

@@ -40,8 +40,24 @@ struct RunConfig {
   bool rank1_other_call = false;  // rank 1 calls with another swiglu_limit (a call the others do not make)
   bool rank1_replays = false;     // with backward: only rank 1's backward replays (another call too)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
+  bool capture = false;  // every call is made inside a CUDA graph capture of its stream (then dropped)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
+};
+
+// A CUDA graph capture of a stream for the scope (when `on`); the graph is dropped, not run.
+struct Capture {
+  cudaStream_t stream;
+  bool on;
+  Capture(bool on_, cudaStream_t s) : stream(s), on(on_) {
+    if (on) EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  }
+  ~Capture() {
+    if (!on) return;
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
 };
 
 // Everything one rank owns on its device.
@@ -192,6 +208,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
       a.timeout_s = cfg.timeout_s;
       try {
+        Capture capture(cfg.capture, rk.stream);
         cuda::moe_forward(a, rk.stream);
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch: ") + e.what() + "; ";
@@ -231,6 +248,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.swiglu_limit = d.swiglu_limit;
       b.timeout_s = cfg.timeout_s;
       try {
+        Capture capture(cfg.capture, rk.stream);
         cuda::moe_backward(b, rk.stream);
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch backward: ") + e.what() + "; ";
@@ -661,6 +679,30 @@ TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
   const Outputs replayed = run_forward(in, mixed, 1);
   EXPECT_NE(replayed.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos) << replayed.errors[0];
   EXPECT_NE(replayed.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos) << replayed.errors[1];
+}
+
+TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {
+  // A replayed graph keeps the epoch it was captured with, so with peers its barriers would pass
+  // without them: both passes refuse the capture by name before launching anything.
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
+  const auto dy = make_output_grad<float>(d, 6, true);
+  RunConfig cfg;
+  cfg.capture = true;
+  cfg.backward = true;
+  cfg.dy = &dy;
+  const Outputs out = run_forward(in, cfg, 1);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(out.errors[r].find("mok moe_forward: CUDA graph capture of a call with 2 ranks is not supported"),
+              std::string::npos) << out.errors[r];
+    EXPECT_NE(out.errors[r].find("mok moe_backward: CUDA graph capture of a call with 2 ranks"), std::string::npos)
+        << out.errors[r];
+    EXPECT_EQ(out.errors[r].find("timed out"), std::string::npos) << out.errors[r];  // nothing ran
+  }
+  const Outputs again = run_forward(in, RunConfig{}, 1);  // outside a capture the same call runs
+  EXPECT_EQ(again.errors[0], "");
+  EXPECT_EQ(again.errors[1], "");
 }
 
 TEST(MegakernelErrors, BadArgumentsAreNamed) {

@@ -226,6 +226,11 @@ def test_gemm_benchmark_says_it_needs_a_gpu(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.gemms", "--out", str(tmp_path / "g.md")], env=env,
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
+    # Every shape is checked before any is timed (341 once ended a run with a traceback and no table).
+    proc = subprocess.run([sys.executable, "-m", "bench.gemms", "--rows", "256,341", "--out", str(tmp_path / "g.md")],
+                          env=env, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "--rows: rows per expert must be a multiple of 128" in proc.stderr
+    assert "got 341" in proc.stderr
 
 
 class _TorchStandIn:
