@@ -110,11 +110,10 @@ unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t inte
 // One single-block kernel: signal (optionally) and wait on one word per rank; with a nonzero
 // `call`, also write this rank's call word and compare every peer's with it.
 template <class FlagOf, class MineOf>
-void barrier(int ranks, uint32_t epoch, const detail::WaitStatus& status, int32_t code, bool signal,
+void barrier(int ranks, const detail::WaitStatus& status, int32_t code, bool signal,
              const FlagOf& flag_of, const MineOf& mine_of, cudaStream_t stream, unsigned long long call = 0) {
   detail::BarrierParams p{};
   p.ranks = ranks;
-  p.epoch = epoch;
   p.status = status;
   p.code = code;
   p.call = call;
@@ -139,7 +138,8 @@ std::string event_problem(cudaEvent_t event, const char* name) {
 // What the forward and the backward check alike: ranks, this rank, the layout against the
 // shapes, one buffer per rank, the row capacity, the epoch and the timeout.
 std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, const SymmetricLayout& l,
-                          void* const* bases, int64_t row_capacity, uint32_t epoch, double timeout_s) {
+                          void* const* bases, int64_t row_capacity, uint32_t epoch, const uint32_t* epoch_counter,
+                          double timeout_s) {
   std::ostringstream why;
   if (s.ranks < 1 || s.ranks > kMaxRanks) why << "ranks must be in [1, " << kMaxRanks << "], got " << s.ranks << "; ";
   if (rank < 0 || rank >= s.ranks) why << "rank " << rank << " is not in [0, " << s.ranks << "); ";
@@ -159,17 +159,19 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
   if (int64_t{s.tokens_per_rank} * s.topk >= (int64_t{1} << 24))
     why << "tokens_per_rank * topk must be < 2^24 (the megakernel's combine slots), got "
         << int64_t{s.tokens_per_rank} * s.topk << "; ";
-  if (epoch == 0) why << "epoch must be > 0; ";
+  if (epoch == 0 && epoch_counter == nullptr) why << "epoch must be > 0 (or an epoch_counter given); ";
   if (!(timeout_s > 0.0)) why << "timeout_s must be > 0; ";
   return why.str();
 }
 
-// A CUDA graph replays its launches with the arguments they were captured with, the call's epoch
-// among them. One rank alone meets only itself at its barriers, in stream order, so its replays are
-// right; with peers, a replay would find their flags at that epoch already and read their buffers
-// before they wrote this call's rows. Refused before anything is launched (the capture stays valid).
-void refuse_capture_with_peers(const RoutingShape& s, cudaStream_t stream, const char* what) {
-  if (s.ranks <= 1) return;
+// A CUDA graph replays its launches with the arguments they were captured with. A call whose epoch
+// is one of them (no epoch_counter) is right in a replay only alone: one rank meets only itself at
+// its barriers, in stream order; with peers, a replay would find their flags at that epoch already
+// and read their buffers before they wrote this call's rows. Refused before anything is launched
+// (the capture stays valid).
+void refuse_capture_with_peers(const RoutingShape& s, const uint32_t* epoch_counter, cudaStream_t stream,
+                               const char* what) {
+  if (s.ranks <= 1 || epoch_counter != nullptr) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) {
@@ -180,8 +182,20 @@ void refuse_capture_with_peers(const RoutingShape& s, cudaStream_t stream, const
   if (capture != cudaStreamCaptureStatusNone)
     throw std::invalid_argument(
         std::string(what) + ": CUDA graph capture of a call with " + std::to_string(s.ranks) +
-        " ranks is not supported (the call's epoch is a launch argument, so a replay would pass the peers' "
-        "barriers without them); capture with one rank, or run this layer outside the graph");
+        " ranks needs an epoch_counter (with the epoch a launch argument, a replay would pass the peers' "
+        "barriers without them)");
+}
+
+// The running call's epoch into the status words (call_status.cuh: kCallEpochWord), where every
+// later kernel of the call reads it: the launch argument, or the counter's next value.
+__global__ void begin_call_kernel(int32_t* words, uint32_t* counter, uint32_t epoch) {
+  if (counter != nullptr) epoch = ++*counter;
+  words[detail::kCallEpochWord] = static_cast<int32_t>(epoch);
+}
+
+void begin_call(int32_t* words, uint32_t* counter, uint32_t epoch, cudaStream_t stream) {
+  begin_call_kernel<<<1, 1, 0, stream>>>(words, counter, epoch);
+  check(cudaGetLastError(), "launch the call's start");
 }
 
 // What both passes' megakernel reads beside its GEMMs (detail::MegaPassParams), from a call's
@@ -219,8 +233,7 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
-  p.epoch = a.epoch;
-  p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+  p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
   p.experiment_skips = experiment_skips();
 #endif
@@ -271,6 +284,7 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
   o_.ring_h = take(ring_rows * I * 2);
   o_.counters = take(megakernel_counter_words(cap, minibatch_rows) * 4);
   o_.status = take(kStatusWords * 4);
+  o_.epoch = take(4);
   if (keep_rows) {
     o_.dy_rows = take(cap * H * 2);
     o_.row_weight = take(cap * 4);
@@ -358,6 +372,7 @@ void preload_kernels() {
   preload_expert_kernels();
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, detail::signal_barrier_kernel), "load the barrier kernel");
+  check(cudaFuncGetAttributes(&attr, begin_call_kernel), "load the call's start");
   check(cudaFuncSetAttribute(detail::megakernel_kernel<detail::ForwardPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              kForwardSmem),
         "load the megakernel");
@@ -375,7 +390,8 @@ std::string can_implement(const MoeForwardArgs& a) {
   std::ostringstream why;
   const RoutingShape& s = a.shape;
   const int64_t El = s.local_experts();
-  why << common_checks(s, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
+  why << common_checks(s, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.epoch_counter,
+                        a.timeout_s);
   if (s.tokens_per_rank < 0 || s.topk < 1 || s.num_experts < 1 || s.num_experts % std::max<int64_t>(s.ranks, 1) != 0)
     why << "bad routing shape (T=" << s.tokens_per_rank << ", k=" << s.topk << ", E=" << s.num_experts << "); ";
   if (El < 1 || El > GemmConfig::kMaxExperts)
@@ -397,13 +413,13 @@ std::string can_implement(const MoeForwardArgs& a) {
 
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
-  refuse_capture_with_peers(a.shape, stream, "mok moe_forward");
+  refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_forward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts();
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
-  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
   // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
@@ -435,7 +451,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   sa.workspace = a.schedule_workspace;
   sa.status = a.routing_status;
   sa.given_up_words = a.status;  // a start barrier that gave up leaves an empty schedule
-  sa.given_up_epoch = a.epoch;
   CombineArgs c;
   c.tokens = shape.tokens_per_rank;
   c.hidden = H;
@@ -444,7 +459,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   c.slots = SymmetricLayout::at<const void>(mine, l.combine);
   c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
   c.y = a.y;
-  const ScheduleView schedule{El, a.row_capacity, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
+  const ScheduleView schedule{El, a.row_capacity, a.expert_offsets, a.src_rank, a.src_slot, a.status};
   // The token links serve only the comm CTAs' copies (wire_pass: the comm warps read every row).
   const bool links = a.token_links != nullptr && comm > 0 && a.ring_rows >= a.row_capacity;
   for (const std::string& why : {can_implement(sa), can_implement(c),
@@ -452,6 +467,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
                                  event_problem(a.y_shared_ready, "y_shared_ready")})
     if (!why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
 
+  begin_call(a.status, a.epoch_counter, a.epoch, stream);
   // 0. This rank's x and topk_w are finite (else every rank's non-finite key names the element;
   //    the call runs on).
   const int64_t T = shape.tokens_per_rank;
@@ -463,7 +479,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
 
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s; every
   //    rank's call word must be this one's.
-  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+  barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(shape, H, I, a.swiglu_limit, /*pass=*/1));
@@ -505,7 +521,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
         "launch the megakernel (cooperative: all CTAs resident)");
 
   // 4. Every rank's pushes for this rank's tokens have landed.
-  barrier(R, a.epoch, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
+  barrier(R, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
           [&](int s) { return signal_word(mine, l.combine_arrived(s)); }, stream);
 
   // 5. The fixed-order weighted sum (after the shared expert, when it runs on another stream).
@@ -565,7 +581,8 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
 
 std::string can_implement(const MoeBackwardArgs& a) {
   std::ostringstream why;
-  why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.timeout_s);
+  why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.epoch_counter,
+                        a.timeout_s);
   if (!a.x_rows || !a.h || !a.gu)
     why << (a.replay ? "x_rows, h and gu (the replay's scratch) must be set; "
                      : "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that "
@@ -584,18 +601,18 @@ std::string can_implement(const MoeBackwardArgs& a) {
 
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
-  refuse_capture_with_peers(a.shape, stream, "mok moe_backward");
+  refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_backward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;
   const SymmetricLayout& l = a.layout;
   void* mine = a.bases[me];
-  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9), a.epoch};
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
   preload_kernels();  // before the barrier spins (see moe_forward)
 
   // Every step's arguments, checked before the first launch (see moe_forward).
   // After a start barrier that gave up, the stage kernels touch no peer buffer.
-  const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot, a.status, a.epoch};
+  const ScheduleView view{El, cap, a.expert_offsets, a.src_rank, a.src_slot, a.status};
   const void* dy_table[kMaxRanks];
   const void* x_table[kMaxRanks];
   const float* w_table[kMaxRanks];
@@ -695,6 +712,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     throw std::invalid_argument("mok moe_backward: num_sms " + std::to_string(sms) + " exceeds the device's " +
                                 std::to_string(device_sms) + " SMs (one resident CTA per SM)");
 
+  begin_call(a.status, a.epoch_counter, a.epoch, stream);
   // 0. This rank's dy is finite (else every rank's non-finite key names the element; the call runs on).
   unsigned long long* keys[kMaxRanks];
   non_finite_keys(a.bases, l, R, keys);
@@ -705,7 +723,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
 
   // 1. Every rank's dy and topk_w (with replay also x) are in its symmetric buffer, and every rank makes
   //    this call (a replay and a kept backward are different calls).
-  barrier(R, a.epoch, status, detail::kWaitBarrier, true,
+  barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(shape, H, I, a.swiglu_limit, /*pass=*/a.replay ? 3 : 2));
@@ -721,7 +739,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
           "zero the counters");
     launch_backward_megakernel(a, sms, stream);
     // 3. Every rank's pushes for this rank's tokens have landed.
-    barrier(R, a.epoch, status, detail::kWaitGrads, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
+    barrier(R, status, detail::kWaitGrads, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
             [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
   } else {
     // 2-4. Pull, the expert backward, push.
@@ -730,7 +748,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     scatter_rows(sc, stream);
     scatter_row_values(sv, stream);
     // 5. Tell every source its slots from this rank are written; wait for every rank's.
-    barrier(R, a.epoch, status, detail::kWaitGrads, true,
+    barrier(R, status, detail::kWaitGrads, true,
             [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
             [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
   }

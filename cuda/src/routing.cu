@@ -108,7 +108,7 @@ void require(const Args& a, const char* what) {
 
 detail::ScheduleRows schedule_rows(const ScheduleView& v) {
   return {static_cast<int32_t>(v.local_experts), static_cast<int32_t>(v.row_capacity), v.expert_offsets,
-          v.src_rank, v.src_slot, v.given_up_words, v.given_up_epoch, v.row_link};
+          v.src_rank, v.src_slot, v.given_up_words, v.row_link};
 }
 
 // Blocks of kRowsThreads for `items` warp- or thread-sized items, at most `per_sm` blocks per SM.
@@ -284,7 +284,6 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
   p.status = a.status;
   for (int64_t r = 0; r < s.ranks; ++r) p.topk_idx[r] = a.topk_idx[r];
   p.given_up_words = a.given_up_words;
-  p.given_up_epoch = a.given_up_epoch;
 
   const int warps = schedule_warps_per_block(El);
   const size_t smem = static_cast<size_t>(warps) * static_cast<size_t>(El) * sizeof(int32_t);

@@ -41,6 +41,10 @@ struct RunConfig {
   bool rank1_replays = false;     // with backward: only rank 1's backward replays (another call too)
   const std::vector<std::vector<float>>* dy = nullptr;  // [R][T*H], for the backward
   bool capture = false;  // every call is made inside a CUDA graph capture of its stream (then dropped)
+  // Each rank's forward (and backward) captured once into CUDA graphs, with the buffers' epoch
+  // counter, and the graphs launched on every run instead of the calls.
+  bool graph = false;
+  int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -60,6 +64,30 @@ struct Capture {
   }
 };
 
+// A stream's calls captured into an instantiated CUDA graph (the calls run only when it is launched).
+struct CapturedGraph {
+  cudaGraphExec_t exec = nullptr;
+  ~CapturedGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+  template <class Calls>
+  void capture(cudaStream_t stream, const Calls& calls) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    try {
+      calls();
+    } catch (...) {
+      cudaGraph_t dropped = nullptr;
+      cudaStreamEndCapture(stream, &dropped);
+      if (dropped != nullptr) cudaGraphDestroy(dropped);
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+  }
+};
+
 // Everything one rank owns on its device.
 struct Rank {
   int device = 0;
@@ -75,6 +103,7 @@ struct Rank {
 };
 
 struct Outputs {
+  std::vector<uint32_t> epochs;               // per rank, its epoch counter after the runs (graph)
   std::vector<std::vector<uint16_t>> y;       // [R][T*H]
   std::vector<std::vector<uint16_t>> gu;      // [R][rows*2I], rows [0, offsets[El])
   std::vector<std::string> errors;            // per rank, "" = fine
@@ -187,6 +216,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
 
   Outputs out;
   out.errors.assign(R, "");
+  std::vector<CapturedGraph> forward_graphs(R), backward_graphs(R);
+  // Graph mode: whether rank r launches its graphs on this run.
+  auto replays = [&](int r, int run) { return r != 1 || cfg.rank1_graph_runs < 0 || run <= cfg.rank1_graph_runs; };
   for (int run = 1; run <= runs; ++run) {
     for (int r = 0; r < R; ++r) {
       if (!launches[r]) continue;
@@ -208,8 +240,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
       a.timeout_s = cfg.timeout_s;
       try {
-        Capture capture(cfg.capture, rk.stream);
-        cuda::moe_forward(a, rk.stream);
+        if (cfg.graph) {
+          a.epoch_counter = rk.buffers->epoch_counter();
+          if (run == 1) forward_graphs[r].capture(rk.stream, [&] { cuda::moe_forward(a, rk.stream); });
+          if (replays(r, run) && forward_graphs[r].exec != nullptr)
+            EXPECT_EQ(cudaGraphLaunch(forward_graphs[r].exec, rk.stream), cudaSuccess);
+        } else {
+          Capture capture(cfg.capture, rk.stream);
+          cuda::moe_forward(a, rk.stream);
+        }
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch: ") + e.what() + "; ";
       }
@@ -248,8 +287,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.swiglu_limit = d.swiglu_limit;
       b.timeout_s = cfg.timeout_s;
       try {
-        Capture capture(cfg.capture, rk.stream);
-        cuda::moe_backward(b, rk.stream);
+        if (cfg.graph) {
+          b.epoch_counter = rk.buffers->epoch_counter();
+          if (run == 1) backward_graphs[r].capture(rk.stream, [&] { cuda::moe_backward(b, rk.stream); });
+          if (replays(r, run) && backward_graphs[r].exec != nullptr)
+            EXPECT_EQ(cudaGraphLaunch(backward_graphs[r].exec, rk.stream), cudaSuccess);
+        } else {
+          Capture capture(cfg.capture, rk.stream);
+          cuda::moe_backward(b, rk.stream);
+        }
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch backward: ") + e.what() + "; ";
       }
@@ -264,10 +310,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
   for (int r = 0; r < R; ++r) {
     Rank& rk = ranks[r];
     cudaSetDevice(rk.device);
+    uint32_t epoch = 0;
+    cudaMemcpy(&epoch, rk.buffers->epoch_counter(), 4, cudaMemcpyDeviceToHost);
+    out.epochs.push_back(epoch);
     if (launches[r]) {
-      int32_t words[4];
+      int32_t words[5];
       cudaMemcpy(words, rk.buffers->status(), sizeof words, cudaMemcpyDeviceToHost);
-      out.errors[r] += cuda::describe_wait_status(words, uint32_t(cfg.backward ? 2 * runs : runs));
+      // The failed call's epoch as recorded (graph replays count on the device), else the last call's.
+      out.errors[r] += cuda::describe_wait_status(
+          words, words[4] != 0 ? uint32_t(words[4]) : uint32_t(cfg.backward ? 2 * runs : runs));
       cuda::RoutingStatus rs;
       cudaMemcpy(&rs, rk.buffers->routing_status(), sizeof(rs), cudaMemcpyDeviceToHost);
       const std::string bad = cuda::describe(rs, shape);
@@ -703,6 +754,53 @@ TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {
   const Outputs again = run_forward(in, RunConfig{}, 1);  // outside a capture the same call runs
   EXPECT_EQ(again.errors[0], "");
   EXPECT_EQ(again.errors[1], "");
+}
+
+TEST(MegakernelGraphs, ReplaysWithPeersMatchTheCallsBitwise) {
+  // Two ranks sharing GPU 0, forward and backward captured once into CUDA graphs (with the epoch
+  // counter) and replayed 3 times: the same bits as the calls, and every replay a new epoch.
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 300, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::zipf, 17, true);
+  const auto dy = make_output_grad<float>(d, 18, true);
+  RunConfig calls;
+  calls.backward = true;
+  calls.dy = &dy;
+  RunConfig graphs = calls;
+  graphs.graph = true;
+  const Outputs want = run_forward(in, calls, 1);
+  const Outputs got = run_forward(in, graphs, 3);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(want.errors[r], "") << "calls, rank " << r;
+    ASSERT_EQ(got.errors[r], "") << "graphs, rank " << r;
+    EXPECT_EQ(got.epochs[r], 6u) << "rank " << r << ": 3 replays of a forward and a backward";
+    EXPECT_EQ(first_bit_difference(want.y[r], got.y[r]), -1) << "y rank " << r;
+    EXPECT_EQ(first_bit_difference(want.dx[r], got.dx[r]), -1) << "dx rank " << r;
+    EXPECT_EQ(first_bit_difference(want.d_topk_w[r], got.d_topk_w[r]), -1) << "d topk_w rank " << r;
+  }
+  EXPECT_EQ(first_bit_difference(want.dwg, got.dwg), -1) << "dW_gate";
+  EXPECT_EQ(first_bit_difference(want.dwu, got.dwu), -1) << "dW_up";
+  EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << "dW_down";
+}
+
+TEST(MegakernelGraphs, AReplayWithoutItsPeerIsANamedTimeout) {
+  // Rank 1 replays its forward once, rank 0 twice: rank 0's second replay must wait for a new
+  // epoch from rank 1 (with the epoch frozen in the graph it would pass at once and read rank 1's
+  // buffers mid-call) and time out naming it.
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
+  RunConfig cfg;
+  cfg.graph = true;
+  cfg.rank1_graph_runs = 1;
+  cfg.timeout_s = 0.3;
+  const Outputs out = run_forward(in, cfg, 2);
+  EXPECT_NE(out.errors[0].find("rank 0 timed out at the start barrier waiting for rank 1 (saw epoch 1, wanted 2)"),
+            std::string::npos)
+      << out.errors[0];
+  EXPECT_EQ(out.errors[1], "");
+  EXPECT_EQ(out.epochs[0], 2u);
+  EXPECT_EQ(out.epochs[1], 1u);
 }
 
 TEST(MegakernelErrors, BadArgumentsAreNamed) {

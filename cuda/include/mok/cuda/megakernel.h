@@ -27,7 +27,8 @@
 
 namespace mok::cuda {
 
-// Status words of a rank: code (0 = fine), rank, where, seen, and the epoch of the call that failed.
+// Status words of a rank: code (0 = fine), rank, where, seen, the epoch of the call that failed,
+// and the running call's epoch (written by the call's first kernel; detail/call_status.cuh).
 inline constexpr int kStatusWords = 8;
 
 struct MoeForwardArgs {
@@ -69,10 +70,17 @@ struct MoeForwardArgs {
   cudaEvent_t y_shared_ready = nullptr;
   void* y = nullptr;               // [T, H] bf16 out
   uint32_t epoch = 1;        // > 0, one more on every call, the same on every rank
+  // Optional, instead of `epoch`: a device word (zero before the first call; FusedBuffers has one)
+  // that the call advances by one on its stream before anything else and takes as its epoch. A
+  // CUDA graph replays its launches with the arguments of its capture, so only a call with this
+  // word can be captured with peers: each replay then advances it like a new call (with R > 1 and
+  // no word, a capture is refused). Forward and backward share it, as they share the epochs.
+  uint32_t* epoch_counter = nullptr;
   int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
   std::optional<float> swiglu_limit;
-  int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen, epoch
+  int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen,
+                              // the failed call's epoch, the running call's epoch
   double timeout_s = 10.0;    // every wait's bound
 };
 
@@ -136,6 +144,7 @@ struct MoeBackwardArgs {
   void* dx = nullptr;              // [T, H] bf16
   float* d_topk_w = nullptr;       // [T*k] fp32
   uint32_t epoch = 1;              // shares the forward's sequence: one more than the call before
+  uint32_t* epoch_counter = nullptr;  // optional, as in MoeForwardArgs (the same word)
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;       // [4], as in MoeForwardArgs
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
@@ -181,10 +190,12 @@ class FusedBuffers {
   RoutingStatus* routing_status() const { return static_cast<RoutingStatus*>(at(o_.routing_status)); }
   int32_t* expert_offsets() const { return static_cast<int32_t*>(at(o_.offsets)); }
   int32_t* experts_status() const { return keep_rows_ ? static_cast<int32_t*>(at(o_.experts_status)) : nullptr; }
+  // A word for MoeForwardArgs::epoch_counter (zero at creation; wire() does not set it).
+  uint32_t* epoch_counter() const { return static_cast<uint32_t*>(at(o_.epoch)); }
 
  private:
   struct Offsets {
-    int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status;
+    int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status, epoch;
     int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }

@@ -92,7 +92,6 @@ struct ScheduleArgs {
   // Optional, as in ScheduleView: when this call was given up, the schedule is empty and no rank's
   // topk_idx is read.
   const int32_t* given_up_words = nullptr;
-  uint32_t given_up_epoch = 0;
 };
 
 int64_t schedule_workspace_bytes(const RoutingShape& shape);
@@ -109,11 +108,11 @@ struct ScheduleView {
   const int32_t* expert_offsets = nullptr;  // device [El+1]; rows [0, offsets[El]) are visited
   const int32_t* src_rank = nullptr;        // device [row_capacity]
   const int32_t* src_slot = nullptr;        // device [row_capacity]
-  // Optional: a megakernel wait status (megakernel.h: code at [0], epoch at [4]) and this call's
-  // epoch. When its words say this call was given up (a rank made another call, or a wait timed
-  // out), no row is visited: no peer buffer, whose layout may not be this rank's, is touched.
+  // Optional: a megakernel wait status (megakernel.h: code at [0], the failed call's epoch at [4],
+  // the running call's at [5]). When its words say the running call was given up (a rank made
+  // another call, or a wait timed out), no row is visited: no peer buffer, whose layout may not be
+  // this rank's, is touched.
   const int32_t* given_up_words = nullptr;
-  uint32_t given_up_epoch = 0;
   // Optional: the rows of each token linked (link_token_rows). With them, dispatch reads a
   // token's row once per call however many of its k slots this rank holds, and writes it into
   // each of them: the same bytes, fewer peer reads (a quarter on 2 ranks with k = 8).

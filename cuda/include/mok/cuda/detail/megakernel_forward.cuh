@@ -63,14 +63,15 @@ __device__ __forceinline__ void add_relaxed_gpu(uint32_t* p, uint32_t v) {
 // Orders generic-proxy accesses with the TMA (async proxy) accesses around it.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// Status words of a rank (device memory, kStatusWords): code (0 = fine), rank, where, seen, and
-// the epoch of the call that failed.
+// Status words of a rank (device memory, kStatusWords): code (0 = fine), rank, where, seen, the
+// epoch of the call that failed, and the running call's epoch (call_status.cuh).
 struct WaitStatus {
   int32_t* words;
   int32_t rank;
   uint64_t timeout_ns;
-  uint32_t epoch;  // this call's
 };
+// The running call's epoch (call_status.cuh: kCallEpochWord).
+__device__ __forceinline__ uint32_t call_epoch(const WaitStatus& s) { return call_epoch(s.words); }
 
 // Timing-only switches (megakernel.cu: MOK_EXPERIMENTS): parts of the megakernel left out.
 enum ExperimentSkip : int32_t { kSkipPull = 1, kSkipPush = 2, kSkipWaits = 4 };
@@ -104,13 +105,13 @@ __device__ __forceinline__ void record_give_up(const WaitStatus& s, int32_t code
     s.words[1] = s.rank;
     s.words[2] = where;
     s.words[3] = static_cast<int32_t>(seen);
-    s.words[4] = static_cast<int32_t>(s.epoch);
+    s.words[4] = static_cast<int32_t>(call_epoch(s));
     __threadfence_system();
   }
 }
 // Another wait of this call gave up (a failure of an earlier call does not end this call's waits
 // early, so a failed rank still meets the others at the barriers).
-__device__ __forceinline__ bool waits_abandoned(const WaitStatus& s) { return call_given_up(s.words, s.epoch); }
+__device__ __forceinline__ bool waits_abandoned(const WaitStatus& s) { return call_given_up(s.words); }
 
 // Spins until *p >= target; false when it gave up (it timed out, or another wait did).
 template <bool kSystem>
@@ -147,8 +148,7 @@ struct MegaPassParams {
   uint32_t* y_done;                  // [max minibatches]
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
-  uint32_t epoch;
-  WaitStatus status;
+  WaitStatus status;                 // with the call's epoch, which the arrival words are set to
   const uint4* x[kMaxRanks];               // [T, H] on each rank: what is pulled (x, or dy)
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
   uint32_t* arrived[kMaxRanks];            // rank s's arrival word of this (source) rank
@@ -697,7 +697,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const uint32_t before = atomicAdd(p.done_ctas, 1u);
       if (before == uint32_t(ctas - 1)) {
         __threadfence_system();
-        for (int s = 0; s < p.ranks; ++s) st_release_sys(p.arrived[s], p.epoch);
+        const uint32_t epoch = call_epoch(p.status);
+        for (int s = 0; s < p.ranks; ++s) st_release_sys(p.arrived[s], epoch);
       }
     }
   }
@@ -712,8 +713,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 // epoch compares the word with its own (0: no comparison, for the waits that only wait).
 struct BarrierParams {
   int32_t ranks;
-  uint32_t epoch;
-  WaitStatus status;
+  WaitStatus status;  // its epoch is the one signalled and waited for
   int32_t code;
   unsigned long long call;
   uint32_t* flags[kMaxRanks];
@@ -726,12 +726,13 @@ __device__ __forceinline__ unsigned long long* call_word(uint32_t* flag) {
 __global__ void signal_barrier_kernel(const __grid_constant__ BarrierParams p, int signal) {
   const int s = threadIdx.x;
   if (s >= p.ranks) return;
+  const uint32_t epoch = call_epoch(p.status);
   if (signal) {
     if (p.call != 0) *call_word(p.flags[s]) = p.call;
     __threadfence_system();
-    st_release_sys(p.flags[s], p.epoch);
+    st_release_sys(p.flags[s], epoch);
   }
-  if (wait_at_least<true>(p.mine[s], p.epoch, p.status, p.code, s) && p.call != 0) {
+  if (wait_at_least<true>(p.mine[s], epoch, p.status, p.code, s) && p.call != 0) {
     // Ordered after the acquire of the epoch that was released after it.
     const unsigned long long theirs = *reinterpret_cast<const volatile unsigned long long*>(
         call_word(const_cast<uint32_t*>(p.mine[s])));

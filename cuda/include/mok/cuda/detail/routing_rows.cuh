@@ -24,13 +24,12 @@ struct ScheduleRows {
   const int32_t* src_rank;
   const int32_t* src_slot;
   const int32_t* given_up_words;  // optional (routing.h: ScheduleView)
-  uint32_t given_up_epoch;
   const uint32_t* row_link;       // optional (routing.h: ScheduleView)
 };
 
 // Rows [0, offsets[El]) of the schedule, never past its capacity; none when the call was given up.
 __device__ __forceinline__ int scheduled_rows(const ScheduleRows& s) {
-  if (s.given_up_words != nullptr && call_given_up(s.given_up_words, s.given_up_epoch)) return 0;
+  if (s.given_up_words != nullptr && call_given_up(s.given_up_words)) return 0;
   return max(0, min(s.expert_offsets[s.local_experts], s.row_capacity));
 }
 

@@ -40,15 +40,15 @@ struct ScheduleParams {
   int32_t* src_rank;        // [row_capacity]
   int32_t* src_slot;        // [row_capacity]
   RoutingStatus* status;
-  const int32_t* given_up_words;  // optional: a wait status (code, ..., epoch at [4]) ...
-  uint32_t given_up_epoch;        // ... that, set for this epoch, makes the schedule empty
+  const int32_t* given_up_words;  // optional: a wait status that, set for the running call, makes
+                                  // the schedule empty (call_status.cuh)
   const int32_t* topk_idx[kMaxRanks];
 };
 
 // The call was given up before the schedule (the start barrier found a rank making another call,
 // or timed out): read no rank's topk_idx, whose layout may not be this rank's; no rows.
 __device__ __forceinline__ bool schedule_abandoned(const ScheduleParams& p) {
-  return p.given_up_words != nullptr && call_given_up(p.given_up_words, p.given_up_epoch);
+  return p.given_up_words != nullptr && call_given_up(p.given_up_words);
 }
 
 struct ChunkRange {
