@@ -1,7 +1,7 @@
 """mok.moe over an expert-parallel group of 2 GPUs (NCCL + torch symmetric memory): the fused
 forward and its backward on every rank against the C++ reference over the same emulated ranks,
 bitwise the same on a rerun, and bitwise the same as the whole batch on one GPU (results do not
-depend on the number of ranks). Skipped without two sm_90 GPUs and the sm_90a library
+depend on the number of ranks); a CUDA graph of a training step replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
 (tools/gpu.sh runs it on the 2-GPU machine).
 """
 
@@ -124,6 +124,54 @@ def check_non_finite_on_one_rank(rank: int, size: int) -> None:
     dist.barrier()
 
 
+def check_graph_replays(rank: int, size: int) -> None:
+    """Forward and backward captured into one CUDA graph on every rank (after a warm-up call) and
+    replayed on new inputs: each replay equals an eager call bit for bit. The calls count their
+    epochs on the device, so the ranks' replays meet at their barriers like new calls."""
+    from mok import _cuda_layer
+
+    case = CASES[0]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    El = td.make_problem(case, size, seed=21).weights[0].shape[0] // size
+
+    def local(q: td.GlobalProblem) -> list[torch.Tensor]:  # this rank's inputs, in `static` order
+        mine = slice(rank * El, (rank + 1) * El)
+        return [q.x[rank].to(dev), q.topk_idx[rank].to(dev), q.topk_w[rank].to(dev),
+                *(t[mine].to(dev, torch.bfloat16).contiguous() for t in q.weights),
+                *(t.to(dev, torch.bfloat16) for t in q.shared), q.dy[rank].to(dev)]
+
+    static = [t.clone() for t in local(td.make_problem(case, size, seed=21))]
+    x, idx, w, wg, wu, wd, sg, su, sd, dy = static
+    leaves = [t.requires_grad_() for t in (x, w, wg, wu, wd, sg, su, sd)]
+
+    def step() -> list[torch.Tensor]:
+        y = mok.moe(x, idx, w, wg, wu, wd, (sg, su, sd), swiglu_limit=case.limit, group=dist.group.WORLD)
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    names = NAMES + SHARED
+    for seed in (22, 23):
+        q = td.make_problem(case, size, seed=seed)
+        with torch.no_grad():
+            for dst, src in zip(static, local(q)):
+                dst.copy_(src)
+        for out in captured:
+            out.fill_(float("nan"))  # poisoned: the replay must write every element
+        graph.replay()
+        _cuda_layer.check()
+        eager = run_layer(case, q, dist.group.WORLD, rank, size)
+        for name, got in zip(names, captured):
+            assert torch.equal(got, eager[name]), f"rank {rank}, seed {seed}: {name} of the replay differs from eager"
+    dist.barrier()
+
+
 def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
     with td.rank_report(rank, result_dir):
         torch.cuda.set_device(rank)
@@ -131,6 +179,7 @@ def worker(rank: int, size: int, init_file: str, result_dir: str) -> None:
                                 timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
         for case in CASES:
             check_case(case, rank, size)
+        check_graph_replays(rank, size)
         check_non_finite_on_one_rank(rank, size)
         dist.barrier()
 
