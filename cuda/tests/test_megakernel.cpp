@@ -733,8 +733,9 @@ TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
 }
 
 TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {
-  // A replayed graph keeps the epoch it was captured with, so with peers its barriers would pass
-  // without them: both passes refuse the capture by name before launching anything.
+  // A replayed graph keeps the arguments it was captured with: with peers and the epoch one of them
+  // (no epoch_counter), its barriers would pass without them. Both passes refuse the capture by
+  // name before launching anything.
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
   const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
@@ -745,7 +746,7 @@ TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {
   cfg.dy = &dy;
   const Outputs out = run_forward(in, cfg, 1);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(out.errors[r].find("mok moe_forward: CUDA graph capture of a call with 2 ranks is not supported"),
+    EXPECT_NE(out.errors[r].find("mok moe_forward: CUDA graph capture of a call with 2 ranks needs an epoch_counter"),
               std::string::npos) << out.errors[r];
     EXPECT_NE(out.errors[r].find("mok moe_backward: CUDA graph capture of a call with 2 ranks"), std::string::npos)
         << out.errors[r];
