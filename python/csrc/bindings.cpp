@@ -115,6 +115,9 @@ py::dict plan_to_dict(const MoeConfig& c) {
   d["ring_row_bytes"] = c.ring_row_bytes;
   d["expected_rows"] = c.expected_rows;
   d["schedule_capacity_rows"] = c.schedule_capacity_rows;
+  d["rows_per_expert"] = c.rows_per_expert;
+  d["padded_rows_per_expert"] = c.padded_rows_per_expert;
+  d["padding_share"] = c.padding_share;
   d["keeps_forward_context"] = c.keeps_forward_context;
   d["fused_backward"] = c.fused_backward;
   py::dict ws;

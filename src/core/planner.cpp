@@ -248,6 +248,17 @@ MoeConfig plan(const MoeDesc& desc, const DeviceFacts& device, const PlanOverrid
       << format_bytes(static_cast<double>(context_bytes))
       << " per rank under balanced routing (outside the ring; save_context=False keeps only x and the "
          "schedule, and the backward replays the pull and gate|up)\n";
+  // Balanced routing gives each expert the floor or the ceiling of the mean; the ceiling is padded.
+  cfg.rows_per_expert = static_cast<double>(desc.ranks * desc.tokens_per_rank * desc.topk) /
+                        static_cast<double>(desc.num_experts);
+  const auto most_per_expert = static_cast<int64_t>(std::ceil(cfg.rows_per_expert));
+  cfg.padded_rows_per_expert = round_up(most_per_expert, t.block_m);
+  cfg.padding_share = cfg.padded_rows_per_expert > 0
+                          ? 1.0 - cfg.rows_per_expert / static_cast<double>(cfg.padded_rows_per_expert)
+                          : 0.0;
+  why << "- padding: " << fmt("%.1f", cfg.rows_per_expert) << " rows per expert under balanced routing, "
+      << cfg.padded_rows_per_expert << " in " << t.block_m << "-row tiles: " << fmt("%.0f", 100.0 * cfg.padding_share)
+      << "% of the expert GEMMs' rows are padding (uneven routing pads about half a tile per expert)\n";
   why << "- schedule table: sized for " << cfg.schedule_capacity_rows
       << " rows (R*T*k plus padding): any routing skew fits, nothing is dropped\n";
 

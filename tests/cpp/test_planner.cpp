@@ -42,6 +42,28 @@ TEST(Planner, KimiK2OnTwoH200s) {
   EXPECT_DOUBLE_EQ(c.backward.flops, 12.0 * 7168 * 2048 * (65536 + 8192));
 }
 
+TEST(Planner, PaddingIsTheShareOfRowTilesOnNoRow) {
+  // Kimi K2 on 2 ranks at 8192 tokens: 2*8192*8/384 = 341.33 rows per expert, 342 padded to 384.
+  const MoeConfig kimi = plan(find_preset("kimi-k2").desc(2, 8192), DeviceFacts::h200());
+  EXPECT_NEAR(kimi.rows_per_expert, 341.333, 1e-3);
+  EXPECT_EQ(kimi.padded_rows_per_expert, 384);
+  EXPECT_NEAR(kimi.padding_share, 1.0 - 341.333 / 384, 1e-5);
+  EXPECT_NE(kimi.explanation.find("padding: 341.3 rows per expert under balanced routing, 384 in 128-row tiles: 11%"),
+            std::string::npos)
+      << kimi.explanation;
+  // DeepSeek-V4 at 2048 tokens: 2*2048*6/384 = 64 rows, half of each 128-row tile; at 8192, 256: none.
+  const MoeConfig small = plan(find_preset("deepseek-v4-pro").desc(2, 2048), DeviceFacts::h200());
+  EXPECT_EQ(small.padded_rows_per_expert, 128);
+  EXPECT_DOUBLE_EQ(small.padding_share, 0.5);
+  const MoeConfig large = plan(find_preset("deepseek-v4-pro").desc(2, 8192), DeviceFacts::h200());
+  EXPECT_EQ(large.padded_rows_per_expert, 256);
+  EXPECT_DOUBLE_EQ(large.padding_share, 0.0);
+  // No tokens: nothing to pad.
+  const MoeConfig none = plan(find_preset("tiny").desc(2, 0), DeviceFacts::h200());
+  EXPECT_EQ(none.padded_rows_per_expert, 0);
+  EXPECT_DOUBLE_EQ(none.padding_share, 0.0);
+}
+
 TEST(Planner, TheBackwardPathFollowsTheShareOfCommunication) {
   // Backward NVLink bytes: 2 passes (dy pull, dx push) x T*k rows x H bf16, half remote; GEMM
   // flops: 12 * T*k * I * H (the shared expert's too, when the preset has one).

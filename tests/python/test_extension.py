@@ -60,6 +60,9 @@ def test_plan_reports_sizes_and_reasons() -> None:
     assert p["ring_rows"] % p["minibatch_rows"] == 0 and p["minibatch_rows"] % 128 == 0
     assert p["comm_sms"] + p["compute_sms"] == 132
     assert "minibatch" in p["explanation"] and "ring" in p["explanation"]
+    # 8 ranks x 2048 tokens x top-8 over 384 experts: 341.3 rows per expert, 384 in 128-row tiles.
+    assert abs(p["rows_per_expert"] - 8 * 2048 * 8 / 384) < 1e-9 and p["padded_rows_per_expert"] == 384
+    assert abs(p["padding_share"] - (1 - 8 * 2048 * 8 / 384 / 384)) < 1e-12
     given = _C.plan(d, _C.DeviceFacts.find("h200"), minibatch_rows=256, ring_rows=1024, comm_sms=8)
     assert (given["minibatch_rows"], given["ring_rows"], given["comm_sms"]) == (256, 1024, 8)
     with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple"):

@@ -78,6 +78,13 @@ struct MoeConfig {
   int64_t ring_row_bytes = 0;      // bytes the ring keeps per row (its x and h rows)
   int64_t expected_rows = 0;       // rows per rank under balanced routing (T*k)
   int64_t schedule_capacity_rows = 0;
+  // Rows per expert under balanced routing (R*T*k/E, a mean) and what the expert GEMMs compute for
+  // them: each expert's rows padded to whole row tiles (block_m). padding_share is the part of
+  // that work on padding rows, which no FLOP count credits (64 rows per expert in 128-row tiles:
+  // 0.5).
+  double rows_per_expert = 0;
+  int64_t padded_rows_per_expert = 0;
+  double padding_share = 0;
   bool keeps_forward_context = false;  // all expected rows fit the ring (as built the training forward
                                        // keeps every row's context outside the ring either way)
   bool fused_backward = false;     // the backward as one megakernel launch, else as stage kernels
