@@ -14,9 +14,10 @@ case measured in several files takes its row from the last file given.
 ``--targets`` prints the issue's targets instead: forward 2.0x baseline (a) and 1.5x the best
 baseline, backward 1.6x and 1.3x; per case whether both are met, and where not, the time that
 would meet them and the share of the measured dense bf16 rate (the JSON's ceilings) that time
-implies for the case's FLOPs, beside MoK's own share, the floor and MoK's time over its expert
-GEMMs alone (``mok_gemms``) where that impl ran. A target needing more than 100% of dense cannot
-be met by any implementation; that column is the measured cause of a miss."""
+implies for the case's FLOPs, beside MoK's own share, the floor (the largest of the GEMM, HBM and
+NVLink times at the measured rates, and which one), MoK's time and the needed time over the floor,
+and MoK's time over its expert GEMMs alone (``mok_gemms``) where that impl ran. A target needing
+less than the floor (needs over floor < 1x) cannot be met by any implementation."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def targets(paths: list[Path], impl: str = "mok", baseline: str = "torch_a2a",
     groups, order, others, dense = _groups(paths)
     baselines = [b for b in order if b not in others | {impl, gemms_impl}]
     head = ["pass", "T/rank", "routing", "preset", "R", f"{impl} ms", "% dense", f"vs {baseline}", "vs best",
-            "met", "needs ms", "needs % dense", "floor ms", "over GEMMs alone"]
+            "met", "needs ms", "needs % dense", "floor ms", "over floor", "needs over floor", "over GEMMs alone"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
     for key, impls in groups.items():
         mine = impls.get(impl)
@@ -106,7 +107,10 @@ def targets(paths: list[Path], impl: str = "mok", baseline: str = "torch_a2a",
         cells.append(f"{best / ms:.2f}x / {want_best:.1f}x" if best else "-")
         cells.append("-" if need is None else "yes" if ms <= need else "no")
         cells += [f"{need:.2f}" if need else "-", share(need)]
-        cells.append(f"{mine['floor_ms']:.2f}" if mine.get("floor_ms") else "-")
+        floor = mine.get("floor_ms")
+        cells.append(f"{floor:.2f} ({mine.get('floor_bound', '?')})" if floor else "-")
+        cells.append(f"{ms / floor:.2f}x" if floor else "-")
+        cells.append(f"{need / floor:.2f}x" if floor and need else "-")
         cells.append(f"{ms / gemms['median_ms']:.2f}x" if _ok(gemms) else "-")
         lines.append("| " + " | ".join(cells) + " |")
     note = f"\nDense bf16 rate measured in the run: {dense:.0f} TFLOP/s.\n" if dense else ""

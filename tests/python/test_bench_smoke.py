@@ -368,13 +368,15 @@ def test_targets_table_names_what_a_missed_target_would_need(tmp_path: Path) -> 
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"ceilings": {"bf16_tflops": 800.0}, "cases": [
         # forward: (a) 24 ms wants <= 12; the best baseline 20 ms wants <= 13.33: 12 ms needed
-        case("torch_a2a", 24.0), case("symm_a2a", 20.0), case("mok", 13.0, floor_ms=10.0),
+        case("torch_a2a", 24.0), case("symm_a2a", 20.0), case("mok", 13.0, floor_ms=10.0, floor_bound="compute"),
         case("mok_gemms", 10.4, baseline=False),
         # backward: 1.6x of 32 = 20, 1.3x of 26 = 20: met at 16
         case("torch_a2a", 32.0, "backward"), case("symm_a2a", 26.0, "backward"), case("mok", 16.0, "backward")]}))
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in speedups.targets([path]).splitlines()
             if line.startswith("| forward") or line.startswith("| backward")]
     forward, backward = rows
-    assert forward[5:] == ["13.00", "77%", "1.85x / 2.0x", "1.54x / 1.5x", "no", "12.00", "83%", "10.00", "1.25x"]
+    assert forward[5:] == ["13.00", "77%", "1.85x / 2.0x", "1.54x / 1.5x", "no", "12.00", "83%", "10.00 (compute)",
+                           "1.30x", "1.20x", "1.25x"]
     assert backward[9:12] == ["yes", "20.00", "50%"]
-    assert backward[13] == "-"  # no mok_gemms row for the backward
+    assert backward[12:15] == ["-", "-", "-"]  # no floor given
+    assert backward[15] == "-"  # no mok_gemms row for the backward
