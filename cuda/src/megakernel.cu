@@ -169,9 +169,7 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
 // its barriers, in stream order; with peers, a replay would find their flags at that epoch already
 // and read their buffers before they wrote this call's rows. Refused before anything is launched
 // (the capture stays valid).
-void refuse_capture_with_peers(const RoutingShape& s, const uint32_t* epoch_counter, cudaStream_t stream,
-                               const char* what) {
-  if (s.ranks <= 1 || epoch_counter != nullptr) return;
+bool capturing(cudaStream_t stream, const char* what) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) {
@@ -179,7 +177,13 @@ void refuse_capture_with_peers(const RoutingShape& s, const uint32_t* epoch_coun
     throw std::invalid_argument(std::string(what) + ": cannot tell whether the stream is being captured (" +
                                 cudaGetErrorString(e) + ")");
   }
-  if (capture != cudaStreamCaptureStatusNone)
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+void refuse_capture_with_peers(const RoutingShape& s, const uint32_t* epoch_counter, cudaStream_t stream,
+                               const char* what) {
+  if (s.ranks <= 1 || epoch_counter != nullptr) return;
+  if (capturing(stream, what))
     throw std::invalid_argument(
         std::string(what) + ": CUDA graph capture of a call with " + std::to_string(s.ranks) +
         " ranks needs an epoch_counter (with the epoch a launch argument, a replay would pass the peers' "
@@ -602,6 +606,13 @@ std::string can_implement(const MoeBackwardArgs& a) {
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_backward");
+  // The backward in a CUDA graph: its replays passed bitwise at small shapes (1 and 2 GPUs), but on
+  // 2 H200s (kimi-k2, 2048 tokens per rank, the benchmark's raw API) a replayed backward hit an
+  // illegal memory access that is not understood yet (session 13). Refused until it is.
+  if (capturing(stream, "mok moe_backward"))
+    throw std::invalid_argument(
+        "mok moe_backward: CUDA graph capture of the backward is not supported yet (a replayed backward hit an "
+        "illegal memory access on 2 H200s; capture the forward only)");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;

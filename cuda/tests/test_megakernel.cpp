@@ -757,16 +757,13 @@ TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {
   EXPECT_EQ(again.errors[1], "");
 }
 
-TEST(MegakernelGraphs, ReplaysWithPeersMatchTheCallsBitwise) {
-  // Two ranks sharing GPU 0, forward and backward captured once into CUDA graphs (with the epoch
-  // counter) and replayed 3 times: the same bits as the calls, and every replay a new epoch.
+TEST(MegakernelGraphs, ForwardReplaysWithPeersMatchTheCallsBitwise) {
+  // Two ranks sharing GPU 0, the training forward (rows kept) captured once into CUDA graphs with
+  // the epoch counter and replayed 3 times: the same bits as the calls, every replay a new epoch.
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   const MoeDesc d = desc(2, 300, 256, 128, 8, 2);
   const auto in = make_inputs<float>(d, RoutingKind::zipf, 17, true);
-  const auto dy = make_output_grad<float>(d, 18, true);
   RunConfig calls;
-  calls.backward = true;
-  calls.dy = &dy;
   RunConfig graphs = calls;
   graphs.graph = true;
   const Outputs want = run_forward(in, calls, 1);
@@ -774,14 +771,31 @@ TEST(MegakernelGraphs, ReplaysWithPeersMatchTheCallsBitwise) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(want.errors[r], "") << "calls, rank " << r;
     ASSERT_EQ(got.errors[r], "") << "graphs, rank " << r;
-    EXPECT_EQ(got.epochs[r], 6u) << "rank " << r << ": 3 replays of a forward and a backward";
+    EXPECT_EQ(got.epochs[r], 3u) << "rank " << r << ": 3 replays";
     EXPECT_EQ(first_bit_difference(want.y[r], got.y[r]), -1) << "y rank " << r;
-    EXPECT_EQ(first_bit_difference(want.dx[r], got.dx[r]), -1) << "dx rank " << r;
-    EXPECT_EQ(first_bit_difference(want.d_topk_w[r], got.d_topk_w[r]), -1) << "d topk_w rank " << r;
+    EXPECT_EQ(first_bit_difference(want.gu[r], got.gu[r]), -1) << "g|u rank " << r;
   }
-  EXPECT_EQ(first_bit_difference(want.dwg, got.dwg), -1) << "dW_gate";
-  EXPECT_EQ(first_bit_difference(want.dwu, got.dwu), -1) << "dW_up";
-  EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << "dW_down";
+}
+
+TEST(MegakernelGraphs, ACapturedBackwardIsRefused) {
+  // The backward's replays are not yet trusted (megakernel.cu: moe_backward): its capture is
+  // refused by name before anything is launched, and the forward's replays still run.
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
+  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
+  const auto dy = make_output_grad<float>(d, 6, true);
+  RunConfig cfg;
+  cfg.graph = true;
+  cfg.backward = true;
+  cfg.dy = &dy;
+  const Outputs out = run_forward(in, cfg, 1);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(out.errors[r].find("mok moe_backward: CUDA graph capture of the backward is not supported yet"),
+              std::string::npos)
+        << out.errors[r];
+    EXPECT_EQ(out.errors[r].find("timed out"), std::string::npos) << out.errors[r];
+    EXPECT_EQ(out.epochs[r], 1u) << "rank " << r << ": the forward's replay only";
+  }
 }
 
 TEST(MegakernelGraphs, AReplayWithoutItsPeerIsANamedTimeout) {
