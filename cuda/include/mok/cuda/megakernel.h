@@ -147,7 +147,7 @@ struct MoeBackwardArgs {
   uint32_t epoch = 1;              // shares the forward's sequence: one more than the call before
   uint32_t* epoch_counter = nullptr;  // optional, as in MoeForwardArgs (the same word)
   std::optional<float> swiglu_limit;
-  int32_t* status = nullptr;       // [4], as in MoeForwardArgs
+  int32_t* status = nullptr;       // [kStatusWords], as in MoeForwardArgs
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
   double timeout_s = 10.0;
   int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
