@@ -23,7 +23,7 @@ be captured in a CUDA graph (``torch.cuda.graph``) after a warm-up call that mad
 the calls count their epochs on the device, so every replay meets the peers' replays at the
 barriers like a new call. Every rank must replay the same sequence, and errors of replays are
 raised by :func:`check` (the host runs no code in a replay). Capturing the backward raises a
-RuntimeError for now: a replayed backward once hit an illegal memory access on 2 GPUs that is not
+ValueError for now: a replayed backward once hit an illegal memory access on 2 GPUs that is not
 understood yet.
 
 What the ranks agree on: a workspace's shapes and plan, once, when it is made (a host sync). A
