@@ -59,20 +59,19 @@ def _ok(c: dict | None) -> bool:
 def table(paths: list[Path], impl: str = "mok", baseline: str = "torch_a2a") -> str:
     groups, order, others, _ = _groups(paths)
     order = [b for b in order if b != impl]
-    ok = _ok
     head = ["pass", "T/rank", "routing", "preset", "R", f"{impl} ms", f"{impl} TF/s"] + [f"{b} ms" for b in order]
     head += [f"vs {baseline}", "vs best"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
     for key, impls in groups.items():
         mine = impls.get(impl)
-        if not ok(mine):
+        if not _ok(mine):
             continue
         ms = mine["median_ms"]
         cells = [str(k) for k in key] + [f"{ms:.2f}", f"{mine['tflops']:.0f}"]
-        cells += [f"{impls[b]['median_ms']:.2f}" if ok(impls.get(b)) else "-" for b in order]
+        cells += [f"{impls[b]['median_ms']:.2f}" if _ok(impls.get(b)) else "-" for b in order]
         base = impls.get(baseline)
-        cells.append(f"{base['median_ms'] / ms:.2f}x" if ok(base) else "-")
-        best = [impls[b]["median_ms"] for b in order if b not in others and ok(impls.get(b))]
+        cells.append(f"{base['median_ms'] / ms:.2f}x" if _ok(base) else "-")
+        best = [impls[b]["median_ms"] for b in order if b not in others and _ok(impls.get(b))]
         cells.append(f"{min(best) / ms:.2f}x" if best else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -41,7 +41,7 @@ struct ForwardHandle {
   // Pinned host copies of the status words, refreshed asynchronously after every call: the next
   // call reads them without a device sync and raises if an earlier call failed.
   struct Mirror {
-    int32_t words[5];  // code, rank, where, seen, the failed call's epoch
+    int32_t words[mok::cuda::kFailureWords];
     mok::cuda::RoutingStatus routing;
     int32_t experts;
     unsigned long long non_finite;  // the key in this rank's symmetric buffer (check_finite)
@@ -60,12 +60,9 @@ struct ForwardHandle {
 };
 
 // What went wrong in the calls the statuses cover ("" = nothing).
-std::string describe_statuses(const ForwardHandle& h, const int32_t words[5], const mok::cuda::RoutingStatus& rs,
-                              int32_t experts, unsigned long long non_finite) {
-  // The failed call's epoch as its wait recorded it (the calls count on the device: a CUDA graph's
-  // replays are calls the host never saw), else the host's count.
-  const uint32_t epoch = words[4] != 0 ? static_cast<uint32_t>(words[4]) : h.args.epoch;
-  std::string text = mok::cuda::describe_wait_status(words, epoch);
+std::string describe_statuses(const ForwardHandle& h, const int32_t words[mok::cuda::kFailureWords],
+                              const mok::cuda::RoutingStatus& rs, int32_t experts, unsigned long long non_finite) {
+  std::string text = mok::cuda::describe_wait_status(words);
   for (const std::string& more : {mok::cuda::describe(rs, h.args.shape),
                                   mok::cuda::describe_non_finite(non_finite, h.args.shape, h.args.hidden)})
     if (!more.empty()) text += (text.empty() ? "" : "; ") + more;
@@ -76,8 +73,8 @@ std::string describe_statuses(const ForwardHandle& h, const int32_t words[5], co
 // Throws if the mirror shows a failed earlier call (it lags the device: no sync).
 void raise_earlier_failure(const ForwardHandle& h) {
   const volatile ForwardHandle::Mirror* m = h.mirror;
-  int32_t words[5];
-  for (int i = 0; i < 5; ++i) words[i] = m->words[i];
+  int32_t words[mok::cuda::kFailureWords];
+  for (int i = 0; i < mok::cuda::kFailureWords; ++i) words[i] = m->words[i];
   mok::cuda::RoutingStatus rs;
   rs.bad_expert = m->routing.bad_expert;
   const std::string text = describe_statuses(h, words, rs, m->experts, m->non_finite);
@@ -108,16 +105,14 @@ void bind_bases(ForwardHandle& h, const int64_t* bases, void* (&table)[mok::cuda
 }
 
 // One call in the sequence every rank counts (forward and backward share it): refuses to run after
-// a failed call, runs with the next epoch, counts it, and queues the status copies. The epoch the
-// kernels use is the handle's device counter, advanced by the call on its stream: a CUDA graph that
-// captured calls advances it on every replay (the host's count is then only for messages).
+// a failed call, runs, and queues the status copies. The calls are counted by the handle's device
+// counter, which each call advances on its stream: a CUDA graph that captured calls advances it on
+// every replay, so the host keeps no count of its own.
 template <class Args, class Launch>
 void run_in_sequence(ForwardHandle& h, Args& args, Launch launch, void* stream) {
   raise_earlier_failure(h);
   args.epoch_counter = h.buffers->epoch_counter();
-  args.epoch = h.args.epoch + 1;
   launch(args, static_cast<cudaStream_t>(stream));  // checks everything before it launches
-  h.args.epoch = args.epoch;
   refresh_mirror(h, static_cast<cudaStream_t>(stream));
 }
 
@@ -302,7 +297,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&h->mirror), sizeof(ForwardHandle::Mirror), cudaHostAllocDefault),
                "allocate the status mirror");
     std::memset(h->mirror, 0, sizeof(ForwardHandle::Mirror));
-    a.epoch = 0;
+    a.epoch = 0;  // unused: the calls count on the device (run_in_sequence)
     if (h->keeps_rows) {
       mok::cuda::MoeBackwardArgs& b = h->backward;
       b.rank = rank;
@@ -465,7 +460,7 @@ int mok_cuda_forward_check(void* handle, char* message, int message_len) {
   try {
     cuda_check(cudaSetDevice(h->device), "cudaSetDevice");
     cuda_check(cudaDeviceSynchronize(), "synchronize for the status");  // every stream's calls, not only the legacy one's
-    int32_t words[5] = {0, 0, 0, 0, 0};
+    int32_t words[mok::cuda::kFailureWords] = {};
     cuda_check(cudaMemcpy(words, h->args.status, sizeof words, cudaMemcpyDeviceToHost), "read the status");
     mok::cuda::RoutingStatus rs;
     cuda_check(cudaMemcpy(&rs, h->args.routing_status, sizeof rs, cudaMemcpyDeviceToHost), "read the routing status");

@@ -164,11 +164,7 @@ std::string common_checks(const RoutingShape& s, int64_t rank, int64_t hidden, c
   return why.str();
 }
 
-// A CUDA graph replays its launches with the arguments they were captured with. A call whose epoch
-// is one of them (no epoch_counter) is right in a replay only alone: one rank meets only itself at
-// its barriers, in stream order; with peers, a replay would find their flags at that epoch already
-// and read their buffers before they wrote this call's rows. Refused before anything is launched
-// (the capture stays valid).
+// Whether `stream` is being captured into a CUDA graph (a query that fails is an error naming `what`).
 bool capturing(cudaStream_t stream, const char* what) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
@@ -180,6 +176,11 @@ bool capturing(cudaStream_t stream, const char* what) {
   return capture != cudaStreamCaptureStatusNone;
 }
 
+// A CUDA graph replays its launches with the arguments they were captured with. A call whose epoch
+// is one of them (no epoch_counter) is right in a replay only alone: one rank meets only itself at
+// its barriers, in stream order; with peers, a replay would find their flags at that epoch already
+// and read their buffers before they wrote this call's rows. Refused before anything is launched
+// (the capture stays valid).
 void refuse_capture_with_peers(const RoutingShape& s, const uint32_t* epoch_counter, cudaStream_t stream,
                                const char* what) {
   if (s.ranks <= 1 || epoch_counter != nullptr) return;
@@ -773,9 +774,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
           "copy d topk_w");
 }
 
-std::string describe_wait_status(const int32_t w[4], uint32_t epoch) {
+std::string describe_wait_status(const int32_t w[kFailureWords]) {
   std::ostringstream out;
   const int32_t code = w[0], rank = w[1], where = w[2], seen = w[3];
+  const uint32_t epoch = static_cast<uint32_t>(w[4]);  // record_give_up writes it with the code
   switch (code) {
     case 0: return "";
     case detail::kWaitRingSlot:

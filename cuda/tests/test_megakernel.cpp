@@ -314,11 +314,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     cudaMemcpy(&epoch, rk.buffers->epoch_counter(), 4, cudaMemcpyDeviceToHost);
     out.epochs.push_back(epoch);
     if (launches[r]) {
-      int32_t words[5];
+      int32_t words[cuda::kFailureWords];
       cudaMemcpy(words, rk.buffers->status(), sizeof words, cudaMemcpyDeviceToHost);
-      // The failed call's epoch as recorded (graph replays count on the device), else the last call's.
-      out.errors[r] += cuda::describe_wait_status(
-          words, words[4] != 0 ? uint32_t(words[4]) : uint32_t(cfg.backward ? 2 * runs : runs));
+      out.errors[r] += cuda::describe_wait_status(words);
       cuda::RoutingStatus rs;
       cudaMemcpy(&rs, rk.buffers->routing_status(), sizeof(rs), cudaMemcpyDeviceToHost);
       const std::string bad = cuda::describe(rs, shape);

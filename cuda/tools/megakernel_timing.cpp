@@ -109,9 +109,9 @@ void run(const Shape& s) {
   };
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
   const float t_fused = time_ms(fused, 10, /*warmup=*/2);
-  int32_t words[4];
-  CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), 16, cudaMemcpyDeviceToHost));
-  const std::string status = mok::cuda::describe_wait_status(words, epoch);
+  int32_t words[mok::cuda::kFailureWords];
+  CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
+  const std::string status = mok::cuda::describe_wait_status(words);
 
   // The GEMMs alone on rank 0's rows (gathered once), with the same CTAs.
   RankData& r0 = ranks[0];

@@ -459,9 +459,9 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
       }
       for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
-        int32_t words[4];
+        int32_t words[cuda::kFailureWords];
         check(cudaMemcpy(words, f.buffers->status(), sizeof words, cudaMemcpyDeviceToHost), "read the status");
-        const std::string why = cuda::describe_wait_status(words, static_cast<uint32_t>(2 * run + 2));
+        const std::string why = cuda::describe_wait_status(words);
         if (!why.empty()) out.fused_difference = why;
         int32_t experts = 0;
         check(cudaMemcpy(&experts, f.buffers->experts_status(), sizeof experts, cudaMemcpyDeviceToHost),

@@ -30,6 +30,8 @@ namespace mok::cuda {
 // Status words of a rank: code (0 = fine), rank, where, seen, the epoch of the call that failed,
 // and the running call's epoch (written by the call's first kernel; detail/call_status.cuh).
 inline constexpr int kStatusWords = 8;
+// The first of them that describe a failure: code, rank, where, seen, the failed call's epoch.
+inline constexpr int kFailureWords = 5;
 
 struct MoeForwardArgs {
   RoutingShape shape;      // R ranks, T tokens each, top-k of E experts
@@ -218,7 +220,8 @@ std::string can_implement(const MoeForwardArgs& args);
 void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
 
 // "" for a clean status, else what failed, e.g. "rank 0 timed out waiting at the start barrier for
-// rank 1 (saw epoch 0, wanted 3)" or the expert kernels' status message.
-std::string describe_wait_status(const int32_t words[4], uint32_t epoch);
+// rank 1 (saw epoch 0, wanted 3)" or the expert kernels' status message. The epoch named is the one
+// the failed wait recorded (words[4]), whoever counted it: the host or the device's counter.
+std::string describe_wait_status(const int32_t words[kFailureWords]);
 
 }  // namespace mok::cuda
