@@ -289,6 +289,48 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     return Runner(forward=forward, output=output, backward=backward)
 
 
+@register_impl("mok_graph", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
+               description="MoK as `mok`, each pass captured once in a CUDA graph and replayed (no host in the loop)")
+def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
+    """The `mok` row's passes (the same calls, the same buffers) captured once each in a CUDA graph
+    after one eager forward and backward, then replayed: what a training loop that captures its
+    steps gets. Possible because a call makes no host sync and counts its epochs on the device
+    (every rank replays the same sequence, so the replays meet at the barriers as new calls). Not
+    done for the baselines: baseline (a)'s all-to-all sizes go through the host, so it cannot be
+    captured; the speedup tables compare the eager `mok` row."""
+    eager = build_layer(problem, ctx)
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream(problem.x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):  # the warm-up torch asks for (and the eager backward's one check)
+        state = eager.forward()
+        if eager.backward is not None:
+            eager.backward(state)
+    main.wait_stream(side)
+    forward_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward_graph):
+        captured_state = eager.forward()
+    backward_graph = None
+    captured_grads: list[torch.Tensor | None] = []
+    if eager.backward is not None:
+        backward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
+            captured_grads = list(eager.backward(captured_state))
+
+    def forward() -> Any:
+        forward_graph.replay()
+        return captured_state
+
+    def backward(state: Any) -> list[torch.Tensor | None]:
+        assert backward_graph is not None
+        backward_graph.replay()  # reads the forward graph's outputs: `state` is always captured_state
+        return captured_grads
+
+    if backward_graph is None:
+        return Runner(forward=forward, output=eager.output, backward=None, no_backward_reason=eager.no_backward_reason)
+    return Runner(forward=forward, output=eager.output, backward=backward)
+
+
 @register_impl("mok_gemms", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
                description="MoK expert GEMMs alone on the rows the fused forward gathered (no communication)")
 def build_layer_gemms(problem: Any, ctx: BenchContext) -> Runner:
