@@ -303,10 +303,13 @@ def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
     side = torch.cuda.Stream(problem.x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):  # the warm-up torch asks for (and the eager backward's one check)
-        state = eager.forward()
-        if eager.backward is not None:
-            eager.backward(state)
+        for _ in range(2):
+            state = eager.forward()
+            if eager.backward is not None:
+                eager.backward(state)
+            del state
     main.wait_stream(side)
+    torch.cuda.synchronize(problem.x.device)
     forward_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward_graph):
         captured_state = eager.forward()
@@ -314,7 +317,7 @@ def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
     captured_grads: list[torch.Tensor | None] = []
     if eager.backward is not None:
         backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
+        with torch.cuda.graph(backward_graph):
             captured_grads = list(eager.backward(captured_state))
 
     def forward() -> Any:
