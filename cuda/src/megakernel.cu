@@ -607,13 +607,6 @@ std::string can_implement(const MoeBackwardArgs& a) {
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
   refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_backward");
-  // The backward in a CUDA graph: its replays passed bitwise at small shapes (1 and 2 GPUs), but on
-  // 2 H200s (kimi-k2, 2048 tokens per rank, the benchmark's raw API) a replayed backward hit an
-  // illegal memory access that is not understood yet (session 13). Refused until it is.
-  if (capturing(stream, "mok moe_backward"))
-    throw std::invalid_argument(
-        "mok moe_backward: CUDA graph capture of the backward is not supported yet (a replayed backward hit an "
-        "illegal memory access on 2 H200s; capture the forward only)");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
   const int64_t H = a.hidden, I = a.intermediate, El = shape.local_experts(), cap = a.row_capacity;

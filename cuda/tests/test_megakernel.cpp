@@ -775,25 +775,62 @@ TEST(MegakernelGraphs, ForwardReplaysWithPeersMatchTheCallsBitwise) {
   }
 }
 
-TEST(MegakernelGraphs, ACapturedBackwardIsRefused) {
-  // The backward's replays are not yet trusted (megakernel.cu: moe_backward): its capture is
-  // refused by name before anything is launched, and the forward's replays still run.
-  if (device_count() < 1) GTEST_SKIP() << "no GPU";
-  const MoeDesc d = desc(2, 64, 256, 128, 8, 2);
-  const auto in = make_inputs<float>(d, RoutingKind::uniform, 5, true);
-  const auto dy = make_output_grad<float>(d, 6, true);
-  RunConfig cfg;
-  cfg.graph = true;
-  cfg.backward = true;
-  cfg.dy = &dy;
-  const Outputs out = run_forward(in, cfg, 1);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(out.errors[r].find("mok moe_backward: CUDA graph capture of the backward is not supported yet"),
-              std::string::npos)
-        << out.errors[r];
-    EXPECT_EQ(out.errors[r].find("timed out"), std::string::npos) << out.errors[r];
-    EXPECT_EQ(out.epochs[r], 1u) << "rank " << r << ": the forward's replay only";
+// Forward and backward captured once into CUDA graphs and replayed 3 times: the same bits as
+// the calls, every replay a new epoch.
+void expect_backward_replays_bitwise(const MoeDesc& d, bool stage, bool own_gpus, bool replay, bool bf16) {
+  const auto in = make_inputs<float>(d, RoutingKind::zipf, 17, true);
+  const auto dy = make_output_grad<float>(d, 18, true);
+  RunConfig calls;
+  calls.backward = true;
+  calls.dy = &dy;
+  calls.stage_backward = stage;
+  calls.own_gpus = own_gpus;
+  calls.replay = replay;
+  calls.bf16_grads = bf16;
+  RunConfig graphs = calls;
+  graphs.graph = true;
+  const Outputs want = run_forward(in, calls, 1);
+  const Outputs got = run_forward(in, graphs, 3);
+  for (int r = 0; r < int(d.ranks); ++r) {
+    ASSERT_EQ(want.errors[r], "") << "calls, rank " << r;
+    ASSERT_EQ(got.errors[r], "") << "graphs, rank " << r;
+    EXPECT_EQ(got.epochs[r], 6u) << "rank " << r << ": 3 replays of a forward and a backward";
+    EXPECT_EQ(first_bit_difference(want.y[r], got.y[r]), -1) << "y rank " << r;
+    EXPECT_EQ(first_bit_difference(want.dx[r], got.dx[r]), -1) << "dx rank " << r;
+    EXPECT_EQ(first_bit_difference(want.d_topk_w[r], got.d_topk_w[r]), -1) << "d topk_w rank " << r;
   }
+  EXPECT_EQ(first_bit_difference(want.dwg, got.dwg), -1) << "dW_gate";
+  EXPECT_EQ(first_bit_difference(want.dwu, got.dwu), -1) << "dW_up";
+  EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << "dW_down";
+}
+
+TEST(MegakernelGraphs, MegakernelBackwardReplaysSharedGpu) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  expect_backward_replays_bitwise(desc(2, 300, 256, 128, 8, 2), false, false, false, false);
+}
+TEST(MegakernelGraphs, StageBackwardReplaysSharedGpu) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  expect_backward_replays_bitwise(desc(2, 300, 256, 128, 8, 2), true, false, false, false);
+}
+TEST(MegakernelGraphs, StageBackwardReplaysOneRank) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  expect_backward_replays_bitwise(desc(1, 300, 256, 128, 8, 2), true, false, false, false);
+}
+TEST(MegakernelGraphs, StageBackwardReplaysOwnGpus) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  expect_backward_replays_bitwise(desc(2, 300, 256, 128, 8, 2), true, true, false, false);
+}
+TEST(MegakernelGraphs, StageBackwardReplaysOwnGpusBf16Large) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  expect_backward_replays_bitwise(desc(2, 2048, 1024, 512, 32, 8), true, true, false, true);
+}
+TEST(MegakernelGraphs, MegakernelBackwardReplaysOwnGpusBf16Large) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  expect_backward_replays_bitwise(desc(2, 2048, 1024, 512, 32, 8), false, true, false, true);
+}
+TEST(MegakernelGraphs, ReplayBackwardReplaysOwnGpus) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  expect_backward_replays_bitwise(desc(2, 300, 256, 128, 8, 2), true, true, true, false);
 }
 
 TEST(MegakernelGraphs, AReplayWithoutItsPeerIsANamedTimeout) {
