@@ -310,34 +310,21 @@ def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
             del state
     main.wait_stream(side)
     torch.cuda.synchronize(problem.x.device)
-    mode = os.environ.get("MOK_BENCH_GRAPH", "both")  # both | forward (eager backward) | one (one graph)
     forward_graph = torch.cuda.CUDAGraph()
-    backward_graph = None
+    with torch.cuda.graph(forward_graph):
+        captured_state = eager.forward()
+    backward_graph = torch.cuda.CUDAGraph()
     captured_grads: list[torch.Tensor | None] = []
-    if mode == "one":
-        with torch.cuda.graph(forward_graph):
-            captured_state = eager.forward()
-            if eager.backward is not None:
-                captured_grads = list(eager.backward(captured_state))
-    else:
-        with torch.cuda.graph(forward_graph):
-            captured_state = eager.forward()
-        if eager.backward is not None and mode == "both":
-            backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(backward_graph):
-                captured_grads = list(eager.backward(captured_state))
+    if eager.backward is not None:
+        with torch.cuda.graph(backward_graph):  # its own pool; reads the forward graph's outputs
+            captured_grads = list(eager.backward(captured_state))
 
     def forward() -> Any:
         forward_graph.replay()
         return captured_state
 
     def backward(state: Any) -> list[torch.Tensor | None]:
-        if mode == "one":
-            return captured_grads
-        if mode == "forward":
-            return eager.backward(state)  # type: ignore[misc]
-        assert backward_graph is not None
-        backward_graph.replay()  # reads the forward graph's outputs: `state` is always captured_state
+        backward_graph.replay()  # `state` is always captured_state
         return captured_grads
 
     if eager.backward is None:

@@ -18,13 +18,11 @@ with ``save_context=False`` it keeps only x and its schedule, runs in the planne
 backward replays the rows: it pulls them again and reruns gate|up + SwiGLU (not the down GEMM or
 the combine), the same bits as a kept context.
 
-No host sync and no allocation outside torch's allocator happen in a forward, so the forward can
+No host sync and no allocation outside torch's allocator happen in a call, so a training step can
 be captured in a CUDA graph (``torch.cuda.graph``) after a warm-up call that made the workspace;
 the calls count their epochs on the device, so every replay meets the peers' replays at the
 barriers like a new call. Every rank must replay the same sequence, and errors of replays are
-raised by :func:`check` (the host runs no code in a replay). Capturing the backward raises a
-ValueError for now: a replayed backward once hit an illegal memory access on 2 GPUs that is not
-understood yet.
+raised by :func:`check` (the host runs no code in a replay).
 
 What the ranks agree on: a workspace's shapes and plan, once, when it is made (a host sync). A
 later call is not compared across ranks (that would cost a host sync per call): a rank whose

@@ -1,7 +1,7 @@
 """mok.moe over an expert-parallel group of 2 GPUs (NCCL + torch symmetric memory): the fused
 forward and its backward on every rank against the C++ reference over the same emulated ranks,
 bitwise the same on a rerun, and bitwise the same as the whole batch on one GPU (results do not
-depend on the number of ranks); a CUDA graph of the training forward replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
+depend on the number of ranks); a CUDA graph of a training step replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
 (tools/gpu.sh runs it on the 2-GPU machine).
 """
 
@@ -125,10 +125,9 @@ def check_non_finite_on_one_rank(rank: int, size: int) -> None:
 
 
 def check_graph_replays(rank: int, size: int) -> None:
-    """The training forward captured into one CUDA graph on every rank (after a warm-up step) and
+    """Forward and backward captured into one CUDA graph on every rank (after a warm-up call) and
     replayed on new inputs: each replay equals an eager call bit for bit. The calls count their
-    epochs on the device, so the ranks' replays meet at their barriers like new calls. Capturing
-    the backward is refused by name on every rank."""
+    epochs on the device, so the ranks' replays meet at their barriers like new calls."""
     from mok import _cuda_layer
 
     case = CASES[0]
@@ -145,31 +144,31 @@ def check_graph_replays(rank: int, size: int) -> None:
     x, idx, w, wg, wu, wd, sg, su, sd, dy = static
     leaves = [t.requires_grad_() for t in (x, w, wg, wu, wd, sg, su, sd)]
 
-    def forward() -> torch.Tensor:
-        return mok.moe(x, idx, w, wg, wu, wd, (sg, su, sd), swiglu_limit=case.limit, group=dist.group.WORLD)
+    def step() -> list[torch.Tensor]:
+        y = mok.moe(x, idx, w, wg, wu, wd, (sg, su, sd), swiglu_limit=case.limit, group=dist.group.WORLD)
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, dy))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.autograd.grad(forward(), leaves, dy)
+        step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = forward().detach()
+        captured = step()
+    names = NAMES + SHARED
     for seed in (22, 23):
         q = td.make_problem(case, size, seed=seed)
         with torch.no_grad():
             for dst, src in zip(static, local(q)):
                 dst.copy_(src)
-        captured.fill_(float("nan"))  # poisoned: the replay must write every element
+        for out in captured:
+            out.fill_(float("nan"))  # poisoned: the replay must write every element
         graph.replay()
         _cuda_layer.check()
         eager = run_layer(case, q, dist.group.WORLD, rank, size)
-        assert torch.equal(captured, eager["y"]), f"rank {rank}, seed {seed}: y of the replay differs from eager"
-    with pytest.raises((ValueError, RuntimeError), match="CUDA graph capture of the backward is not supported yet"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            torch.autograd.grad(forward(), leaves, dy)
-    _cuda_layer.check()
+        for name, got in zip(names, captured):
+            assert torch.equal(got, eager[name]), f"rank {rank}, seed {seed}: {name} of the replay differs from eager"
     dist.barrier()
 
 

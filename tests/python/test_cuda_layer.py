@@ -192,11 +192,11 @@ def test_plan_overrides_change_no_bit() -> None:
             assert b is not None and torch.equal(a, b), f"{name}: differs under the config"
 
 
-def test_a_cuda_graph_of_the_forward_replays_the_eager_bits() -> None:
-    """No host sync and no allocation outside torch's graph pool in a forward: mok.moe's training
-    forward (one rank, with a shared expert) captures into a CUDA graph, and each replay on new
-    inputs (new routing too) copied into the captured tensors gives bitwise an eager run's y. A
-    capture of the backward is refused by name, a ValueError (megakernel.cu: moe_backward says why)."""
+def test_a_cuda_graph_of_forward_and_backward_replays_the_eager_bits() -> None:
+    """No host sync and no allocation outside torch's graph pool in a step: mok.moe's forward and
+    backward (one rank, with a shared expert) capture into one CUDA graph, and each replay on new
+    inputs (new routing too) copied into the captured tensors gives bitwise an eager run's y and
+    gradients."""
     T, E, H, I, k = 256, 16, 512, 256, 4
 
     def problem(seed: int) -> tuple[testing.MoeProblem, torch.Tensor]:
@@ -209,30 +209,30 @@ def test_a_cuda_graph_of_the_forward_replays_the_eager_bits() -> None:
     x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, dy_in = inputs
     leaves = [t.requires_grad_(True) for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)]
 
-    def forward() -> torch.Tensor:
-        return mok.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, (s_gate, s_up, s_down))
+    def step() -> list[torch.Tensor]:
+        y = mok.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, (s_gate, s_up, s_down))
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, dy_in))
 
     side = torch.cuda.Stream()  # warm-up (workspace, kernels loaded) off the capture, as torch asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.autograd.grad(forward(), leaves, dy_in)
+        step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = forward().detach()
+        captured = step()
     from mok import _cuda_layer
 
+    names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
     for seed in (2, 3):
-        q, _ = problem(seed)
+        q, dq = problem(seed)
         with torch.no_grad():
-            for dst, src in zip(inputs, (q.x, q.topk_idx, q.topk_w, q.w_gate, q.w_up, q.w_down, *q.shared)):
+            for dst, src in zip(inputs, (q.x, q.topk_idx, q.topk_w, q.w_gate, q.w_up, q.w_down, *q.shared, dq)):
                 dst.copy_(src)
-        captured.fill_(float("nan"))  # poisoned: the replay must write every element
+        for out in captured:
+            out.fill_(float("nan"))  # poisoned: the replay must write every element
         graph.replay()
-        eager = mok.moe(q.x, q.topk_idx, q.topk_w, q.w_gate, q.w_up, q.w_down, q.shared)
+        eager = _run(q, dq)
         _cuda_layer.check()
-        assert torch.equal(captured, eager), f"seed {seed}: y of the replay differs from eager"
-    with pytest.raises((ValueError, RuntimeError), match="CUDA graph capture of the backward is not supported yet"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            torch.autograd.grad(forward(), leaves, dy_in)
-    _cuda_layer.check()  # nothing of the refused call ran: the workspace is fine
+        for name, got, want in zip(names, captured, eager):
+            assert want is not None and torch.equal(got, want), f"seed {seed}: {name} of the replay differs from eager"

@@ -76,8 +76,7 @@ struct MoeForwardArgs {
   // that the call advances by one on its stream before anything else and takes as its epoch. A
   // CUDA graph replays its launches with the arguments of its capture, so only a call with this
   // word can be captured with peers: each replay then advances it like a new call (with R > 1 and
-  // no word, a capture is refused). Forward and backward share it, as they share the epochs. (The
-  // backward refuses any capture for now: moe_backward says why.)
+  // no word, a capture is refused). Forward and backward share it, as they share the epochs.
   uint32_t* epoch_counter = nullptr;
   int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
