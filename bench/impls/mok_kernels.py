@@ -319,11 +319,16 @@ def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
         with torch.cuda.graph(backward_graph):  # its own pool; reads the forward graph's outputs
             captured_grads = list(eager.backward(captured_state))
 
+    # The graphs hold raw addresses of `eager`'s buffers (its context, outputs and scratch, made
+    # outside the graphs' pools): the closures keep `eager` alive, or torch's allocator would hand
+    # that memory to later tensors while the graphs still use it (session 13's illegal address).
     def forward() -> Any:
+        assert eager is not None
         forward_graph.replay()
         return captured_state
 
     def backward(state: Any) -> list[torch.Tensor | None]:
+        assert eager is not None
         backward_graph.replay()  # `state` is always captured_state
         return captured_grads
 
