@@ -308,7 +308,9 @@ def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, 
 
 def clear_workspace_cache() -> None:
     """Forgets every cached workspace (their buffers are freed when no longer referenced), the GPU
-    layer's included: a GPU workspace whose call failed stays failed until this runs on every rank."""
+    layer's included: a GPU workspace whose call failed stays failed until this runs on every rank.
+    A CUDA graph that captured calls keeps the addresses of their workspace's buffers: do not clear
+    the cache while such a graph may still be replayed."""
     _WORKSPACES.clear()
     import sys
 
