@@ -293,7 +293,7 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
                description="MoK as `mok`, each pass captured once in a CUDA graph and replayed (no host in the loop)")
 def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
     """The `mok` row's passes (the same calls, the same buffers) captured once each in a CUDA graph
-    after one eager forward and backward, then replayed: what a training loop that captures its
+    after two eager forwards and backwards, then replayed: what a training loop that captures its
     steps gets. Possible because a call makes no host sync and counts its epochs on the device
     (every rank replays the same sequence, so the replays meet at the barriers as new calls). Not
     done for the baselines: baseline (a)'s all-to-all sizes go through the host, so it cannot be
