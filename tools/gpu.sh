@@ -9,6 +9,9 @@
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
 # scaling (the layer at R = 1, 2, 4, 8 GPUs as far as the machine goes, then bench.scaling's table).
+# MOK_COREDUMP=1: a GPU exception in any step writes a small core dump (no memory images), and at
+# the end cuda-gdb names the faulting kernel, line and registers of each in coredump_*.txt (how
+# session 14 found the graph backward's illegal address).
 # MOK_NPROC: processes (GPUs) of bench_2gpu and sweep_2gpu (default 2; 4 or 8 on nvidia-h200-x4 / -x8
 # with MOK_SWEEP_CASES / MOK_BENCH_CASES_2GPU from baselines_4gpu / baselines_8gpu).
 set -uo pipefail
@@ -52,6 +55,10 @@ trap '[ -n "${CLOCKS_PID:-}" ] && kill "$CLOCKS_PID" 2>/dev/null; publish' EXIT
 log() { echo "== $(date +%T) $*" | tee -a "$LOGS/summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
+if [ "${MOK_COREDUMP:-0}" = 1 ]; then
+  export CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_COREDUMP_FILE="$LOGS/cudacore.%p" \
+    CUDA_COREDUMP_GENERATION_FLAGS="skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory"
+fi
 log "commit $COMMIT steps: $STEPS"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv > "$LOGS/nvidia-smi.txt" 2>&1
 # SM clocks, power and throttle reasons every 250 ms for the whole call (clocks.csv): whether a
@@ -257,6 +264,13 @@ if has scaling; then
   fi
 fi
 
+for core in "$LOGS"/cudacore.*; do  # MOK_COREDUMP=1: each dump read, then dropped (too big to bring back)
+  [ -f "$core" ] || continue
+  timeout --kill-after=5 "$(left 90)" cuda-gdb -batch -ex "target cudacore $core" -ex "info cuda kernels" -ex bt \
+    -ex 'x/8i $pc-64' -ex "info registers" > "$LOGS/coredump_$(basename "$core").txt" 2>&1
+  log "GPU core dump $(basename "$core"): $(grep -m1 -E 'exception was triggered|CUDA Exception' "$LOGS/coredump_$(basename "$core").txt")"
+  rm -f "$core"
+done
 log "exit $status"
 rm -f "$LOGS/sass.txt.gz"; gzip -f "$LOGS/sass.txt" 2>/dev/null
 exit $status

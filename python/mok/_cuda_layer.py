@@ -114,11 +114,22 @@ class _Workspace:
 _WORKSPACES: dict[_Key, _Workspace] = {}
 
 
+def _refuse_in_capture(what: str) -> None:
+    """A workspace (and the shared expert's row tables) is made by the first call of its shapes:
+    it allocates, copies from the host and synchronizes the ranks, none of which a CUDA graph
+    capture allows. Refused by name before anything runs."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"mok: {what} of these shapes is made by the first call, which cannot run inside a CUDA "
+                           "graph capture (it allocates and synchronizes the ranks): make one call with these shapes "
+                           "before capturing")
+
+
 def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
               plan: dict[str, int] | None = None) -> _Workspace:
     key = _key(group_name, x, w_gate, topk, swiglu_limit, plan)
     ws = _WORKSPACES.get(key)
     if ws is None:
+        _refuse_in_capture("the workspace")
         ws = _Workspace(key, _dist.resolve(group_name))
         _WORKSPACES[key] = ws
     return ws
@@ -258,6 +269,7 @@ def _shared_rows(tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
     Made once per (device, tokens): no host-to-device copy per call."""
     key = (device.index or 0, tokens)
     if key not in _SHARED_ROWS:
+        _refuse_in_capture("the shared expert's row table")
         rows = -(-tokens // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
         offsets = torch.tensor([0, rows], dtype=torch.int32, device=device)
         weight = torch.zeros(rows, dtype=torch.float32, device=device)

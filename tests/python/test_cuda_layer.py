@@ -192,6 +192,27 @@ def test_plan_overrides_change_no_bit() -> None:
             assert b is not None and torch.equal(a, b), f"{name}: differs under the config"
 
 
+def test_a_first_call_inside_a_cuda_graph_capture_is_refused_by_name() -> None:
+    """The first call of a shape makes its workspace (allocations, host copies, a sync of the
+    ranks), which a capture cannot hold: refused with a message that says to make one call first,
+    before anything is queued; after that warm-up the same call captures."""
+    T, E, H, I, k = 136, 8, 256, 128, 2  # shapes no other test uses: no workspace cached yet
+    p = testing.random_problem(T, E, H, I, k, shared_intermediate=128, seed=7, device="cuda")
+    args = (p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, tuple(p.shared))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="make one call with these shapes before capturing"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                mok.moe(*args)
+        want = mok.moe(*args)  # the warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = mok.moe(*args)
+    got.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_a_cuda_graph_of_forward_and_backward_replays_the_eager_bits() -> None:
     """No host sync and no allocation outside torch's graph pool in a step: mok.moe's forward and
     backward (one rank, with a shared expert) capture into one CUDA graph, and each replay on new
