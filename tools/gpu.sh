@@ -56,7 +56,8 @@ log() { echo "== $(date +%T) $*" | tee -a "$LOGS/summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if [ "${MOK_COREDUMP:-0}" = 1 ]; then
-  export CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_COREDUMP_FILE="$LOGS/cudacore.%p" \
+  CORES="$(mktemp -d /tmp/mok-cores.XXXX)"  # beside $LOGS: a dump must not enter the archive
+  export CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_COREDUMP_FILE="$CORES/cudacore.%p" \
     CUDA_COREDUMP_GENERATION_FLAGS="skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory"
 fi
 log "commit $COMMIT steps: $STEPS"
@@ -264,7 +265,7 @@ if has scaling; then
   fi
 fi
 
-for core in "$LOGS"/cudacore.*; do  # MOK_COREDUMP=1: each dump read, then dropped (too big to bring back)
+for core in "${CORES:-/nonexistent}"/cudacore.*; do  # MOK_COREDUMP=1: each dump read, then dropped (too big to bring back)
   [ -f "$core" ] || continue
   timeout --kill-after=5 "$(left 90)" cuda-gdb -batch -ex "target cudacore $core" -ex "info cuda kernels" -ex bt \
     -ex 'x/8i $pc-64' -ex "info registers" > "$LOGS/coredump_$(basename "$core").txt" 2>&1

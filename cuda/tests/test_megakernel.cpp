@@ -814,8 +814,8 @@ TEST(MegakernelGraphs, TrainingReplaysMatchTheCallsBitwise) {
 
 TEST(MegakernelGraphs, TrainingReplaysOnTwoGpusMatchTheCallsBitwise) {
   // One GPU per rank over peer access: each backward path at a small shape, the replay backward,
-  // and both paths with bf16 weight gradients at 2048 tokens per rank and top-8 (the shape class
-  // where session 13's bench replay once failed, calls 6-7; not reproduced since).
+  // and both paths with bf16 weight gradients at 2048 tokens per rank and top-8 (rows past a
+  // minibatch, every stage of the weight gradients).
   if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   for (const bool stage : {false, true}) {
     SCOPED_TRACE(stage ? "stage kernels" : "backward megakernel");
