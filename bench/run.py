@@ -431,7 +431,7 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
             _log_row(case, row)
         # Every reference to the runner dropped before the cache is emptied (build_step holds it
         # too): else its buffers stay allocated through the next impl's memory check, which then
-        # skips impls that would fit (session 14 call 8: mok_graph on deepseek-v4 after mok).
+        # skips impls that would fit (likely why session 14 call 8 skipped mok_graph on deepseek-v4 after mok).
         del runner, build_step, check_step
         _release_memory()
         log.debug("%s %s: %.1f s", case.label, spec.name, time.perf_counter() - impl_start)
