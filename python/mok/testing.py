@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,7 @@ __all__ = [
     "random_expert_weights",
     "random_shared_weights",
     "random_problem",
+    "capture_after_warm_up",
     "relative_error",
 ]
 
@@ -613,6 +614,24 @@ def random_problem(
     if shared_intermediate > 0:
         shared = random_shared_weights(hidden, shared_intermediate, generator=dev_gen, dtype=dtype, device=device)
     return MoeProblem(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit)
+
+
+_T = TypeVar("_T")
+
+
+def capture_after_warm_up(step: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph, _T]:
+    """``step`` run once on a side stream (the warm-up torch asks for before a capture: a layer's
+    workspace made, its kernels loaded), then captured into a CUDA graph on the current device:
+    the graph and what the captured ``step`` returned (tensors every replay writes again)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 mok = pytest.importorskip("mok")
-from mok import _cuda_kernels  # noqa: E402
+from mok import _cuda_kernels, testing  # noqa: E402
 
 import test_distributed as td  # noqa: E402  (the CPU suite's problems and C++ reference)
 
@@ -148,14 +148,7 @@ def check_graph_replays(rank: int, size: int) -> None:
         y = mok.moe(x, idx, w, wg, wu, wd, (sg, su, sd), swiglu_limit=case.limit, group=dist.group.WORLD)
         return [y.detach()] + list(torch.autograd.grad(y, leaves, dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = testing.capture_after_warm_up(step)
     names = NAMES + SHARED
     for seed in (22, 23):
         q = td.make_problem(case, size, seed=seed)

@@ -235,14 +235,7 @@ def test_a_cuda_graph_of_forward_and_backward_replays_the_eager_bits() -> None:
         y = mok.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, (s_gate, s_up, s_down))
         return [y.detach()] + list(torch.autograd.grad(y, leaves, dy_in))
 
-    side = torch.cuda.Stream()  # warm-up (workspace, kernels loaded) off the capture, as torch asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = testing.capture_after_warm_up(step)
     from mok import _cuda_layer
 
     names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
