@@ -152,6 +152,25 @@ __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, con
   warpgroup_fence_operand(acc);
 }
 
+// reduce_k_blocks for a warpgroup whose 64 rows of the tile are all padding rows (zeros in A):
+// its accumulator is zero after any k-block, so it reduces only the first (a wgmma defines the
+// accumulator: zeroing it with other instructions makes ptxas serialize every wgmma of the kernel,
+// C7515), then only waits for and releases the other stages with the other warpgroup, which has
+// the tensor cores to itself. A segment that ends at most 64 rows into its last 128-row block
+// then costs about half a block of MMA, not a whole one. (The zeros' signs are not specified.)
+template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
+__device__ __forceinline__ void reduce_padding_half(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                                                    Pipeline& pipeline, State& read_state, State& release_state,
+                                                    int k_begin, int k_end) {
+  reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, k_begin, k_begin + 1);
+  for (int kb = k_begin + 1; kb < k_end; ++kb) {
+    pipeline.consumer_wait(read_state);
+    pipeline.consumer_release(read_state);
+    ++read_state;
+    ++release_state;
+  }
+}
+
 template <class Mainloop, class Epilogue>
 struct GroupedGemmParams {
   typename Mainloop::Params mainloop;

@@ -137,6 +137,7 @@ struct MegaPassParams {
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks of the two GEMMs
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
+  int32_t skip_padding_halves;       // 1: no MMA for a tile's 64 rows that are all padding (reduce_k_blocks)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -548,6 +549,7 @@ __device__ auto epilogue_coords(int thread) {
 struct ForwardPass {
   using Params = MegaForwardParams;
   using Mainloop = ForwardMainloop;
+  static constexpr bool kSkipsPaddingHalves = true;  // reduce_padding_half for the padding rows of both GEMMs
 
   template <class Acc, class Coords>
   static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
@@ -672,8 +674,22 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       }
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
-      const int k_blocks = tasks.at(linear).tile.k_end;
-      reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+      int k_blocks, row_block;
+      {
+        const MegaTask task = tasks.at(linear);
+        k_blocks = task.tile.k_end;
+        row_block = task.row_block;
+      }
+      // Both GEMMs' A rows are the schedule's rows of the block (the pulled rows, then their h):
+      // a segment's token rows come first, its padding rows (zero in the ring) last, and every
+      // 128-row block starts with a token row, so only the second warpgroup's half can be padding.
+      const bool padding = Pass::kSkipsPaddingHalves && p.skip_padding_halves && warpgroup == 2 &&
+                           p.src_rank[row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
+      if (padding) {
+        reduce_padding_half(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+      } else {
+        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+      }
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
         Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
