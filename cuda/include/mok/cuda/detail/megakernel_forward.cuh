@@ -683,12 +683,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       // Both GEMMs' A rows are the schedule's rows of the block (the pulled rows, then their h):
       // a segment's token rows come first, its padding rows (zero in the ring) last, and every
       // 128-row block starts with a token row, so only the second warpgroup's half can be padding.
-      const bool padding = Pass::kSkipsPaddingHalves && p.skip_padding_halves && warpgroup == 2 &&
-                           p.src_rank[row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
-      if (padding) {
+      const bool padding_half = Pass::kSkipsPaddingHalves && p.skip_padding_halves &&
+                                p.src_rank[row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
+      if (padding_half && warpgroup == 2) {
         reduce_padding_half(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
       } else {
-        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks, padding_half);
       }
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
