@@ -287,14 +287,17 @@ struct MegaTasks {
   }
 };
 
-// The task CTA `cta` of `ctas` takes in its round j: round j's tasks [j ctas, (j + 1) ctas) go
-// to the CTAs rotated by j. Every CTA still takes its tasks in increasing order (what the waits'
-// progress needs) and a round's tasks still run together (the L2 sharing of the task order), but
-// a kind of task that recurs every ctas tasks does not fall to the same CTAs every round: with
-// experts of 3 row blocks and 132 CTAs, one third of the CTAs took every expert's last row block
-// (measured, session 15: with those blocks' padding halves skipped, the forward got 15% slower,
-// its other CTAs the critical path).
-CUTE_HOST_DEVICE int round_task(int j, int cta, int ctas) { return j * ctas + (cta + j) % ctas; }
+// The tasks of CTA `cta` of `ctas`: in round j, task j ctas + (cta + j) % ctas (the first is
+// cta), so round j's tasks [j ctas, (j + 1) ctas) go to the CTAs rotated by j. Every CTA still
+// takes its tasks in increasing order (what the waits' progress needs) and a round's tasks still
+// run together (the L2 sharing of the task order), but a kind of task that recurs every ctas
+// tasks does not fall to the same CTAs every round: with experts of 3 row blocks and 132 CTAs,
+// one third of the CTAs took every expert's last row block (measured, session 15: with those
+// blocks' padding halves skipped, the forward got 15% slower, its other CTAs the critical path).
+// next_round_task steps from one to the next: one round later, one CTA further, wrapping within
+// the round (only the task index, the CTA count and the task count stay live: a round counter
+// spilled in the consumers).
+CUTE_HOST_DEVICE int next_round_task(int linear, int ctas) { return linear + (linear % ctas == ctas - 1 ? 1 : ctas + 1); }
 
 // The teams that count in x_ready[b] when they have pulled minibatch b's rows: every compute CTA's
 // comm warps, or the comm CTAs.
@@ -636,9 +639,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const int total = tasks.total();
       [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int j = 0;; ++j) {
-        const int linear = round_task(j, cta, ctas);
-        if (linear >= total) break;
+      for (int linear = cta; linear < total; linear = next_round_task(linear, ctas)) {
         const MegaTask task = tasks.at(linear);
         if constexpr (Params::kWeightGradients) {
           if (task.wgrad != 0) {
@@ -676,9 +677,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
-    for (int j = 0;; ++j) {
-      const int linear = round_task(j, cta, ctas);
-      if (linear >= total) break;
+    for (int linear = cta; linear < total; linear = next_round_task(linear, ctas)) {
       if constexpr (Params::kWeightGradients) {
         if (linear >= tasks.pass_total()) {
           Pass::wgrad_task(p, tasks.at(linear), acc, tCcC, consumer_thread, smem, pipeline, read_state, release_state);
