@@ -219,7 +219,6 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.mb_rows = int(a.minibatch_rows);
   p.comm_ctas = comm;
   p.comm_warps = comm == 0 ? 1 : 0;
-  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.ranks = R;
   p.rank = me;
   p.topk = int(shape.topk);

@@ -121,30 +121,6 @@ TEST(MegakernelTaskOrder, MalformedOffsetsHaveNoTasks) {
   EXPECT_EQ((MegaTasks<MegaForwardParams>{*p, *s}.total()), 0);
 }
 
-// The megakernel's CTAs walk the tasks with next_round_task: every task once, each CTA's in
-// increasing order, round j's tasks [j ctas, (j + 1) ctas) taken in round j, by the CTAs rotated
-// by j (so a task kind recurring every ctas tasks moves from CTA to CTA).
-TEST(MegakernelTaskOrder, RoundsGiveEveryTaskOnceRotatingTheCtas) {
-  for (int ctas : {1, 2, 3, 7, 130, 132}) {
-    for (int total : {0, 1, ctas - 1, ctas, ctas + 1, 5 * ctas + 3, 40 * ctas}) {
-      if (total < 0) continue;
-      std::vector<int> taken(size_t(total), -1);
-      for (int cta = 0; cta < ctas; ++cta) {
-        int j = 0, previous = -1;
-        for (int linear = cta; linear < total; linear = next_round_task(linear, ctas), ++j) {
-          ASSERT_GT(linear, previous) << "ctas " << ctas << " cta " << cta;
-          ASSERT_EQ(linear / ctas, j) << "ctas " << ctas << " cta " << cta << ": not in its round";
-          ASSERT_EQ(linear % ctas, (cta + j) % ctas) << "ctas " << ctas << " cta " << cta << " round " << j;
-          ASSERT_EQ(taken[size_t(linear)], -1) << "task " << linear << " taken twice";
-          taken[size_t(linear)] = cta;
-          previous = linear;
-        }
-      }
-      for (int t = 0; t < total; ++t) ASSERT_NE(taken[size_t(t)], -1) << "ctas " << ctas << ": task " << t << " not taken";
-    }
-  }
-}
-
 // The weight gradients' tiles (ExpertTileScheduler) in both orders: every (expert, row block,
 // column block) exactly once, reducing over its expert's k-blocks. In the columns order each CTA
 // (linear indices b, b + ctas, ...) goes down whole columns, row block after row block, so its

@@ -88,7 +88,6 @@ void run(const Shape& s) {
   }
   mok::cuda::preload_kernels();  // before any rank's barrier spins
   uint32_t epoch = 0;
-  bool skip_padding_halves = true;
   auto fused = [&]() {
     ++epoch;
     for (int r = 0; r < R; ++r) {
@@ -104,27 +103,12 @@ void run(const Shape& s) {
       a.epoch = epoch;
       a.comm_ctas = c.comm_sms;
       a.num_sms = ctas;
-      a.skip_padding_halves = skip_padding_halves;
       mok::cuda::moe_forward(a, rd.stream);
     }
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
-  // Alternately with and without every padding half's MMA (MoeForwardArgs::skip_padding_halves),
-  // three times each: the clocks drift under the power cap, so one of each would compare moments.
-  std::vector<float> skipping, every_mma;
-  for (int round = 0; round < 3; ++round) {
-    skip_padding_halves = true;
-    skipping.push_back(time_ms(fused, 10, /*warmup=*/2));
-    skip_padding_halves = false;
-    every_mma.push_back(time_ms(fused, 10, /*warmup=*/2));
-  }
-  skip_padding_halves = true;
-  std::sort(skipping.begin(), skipping.end());
-  std::sort(every_mma.begin(), every_mma.end());
-  const float t_fused = skipping[1], t_every_mma = every_mma[1];
-  std::printf("  skipping padding halves %.3f %.3f %.3f ms | every MMA %.3f %.3f %.3f ms (sorted)\n", skipping[0],
-              skipping[1], skipping[2], every_mma[0], every_mma[1], every_mma[2]);
+  const float t_fused = time_ms(fused, 10, /*warmup=*/2);
   int32_t words[mok::cuda::kFailureWords];
   CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words);
@@ -167,10 +151,9 @@ void run(const Shape& s) {
   const double flops = 6.0 * double(used) * double(H) * double(I);
   std::printf(
       "H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, comm %d, minibatch %lld, ring %lld | "
-      "fused %8.3f ms (all ranks, median of 3; every padding MMA issued: %8.3f) | GEMMs alone %8.3f ms (rank 0, %lld rows, %.0f TF/s) | "
-      "fused/GEMMs %.2f%s%s\n",
+      "fused %8.3f ms (all ranks) | GEMMs alone %8.3f ms (rank 0, %lld rows, %.0f TF/s) | fused/GEMMs %.2f%s%s\n",
       (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas, c.comm_sms,
-      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_every_mma, t_gemms, (long long)used,
+      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_gemms, (long long)used,
       flops / (t_gemms * 1e-3) / 1e12, t_fused / t_gemms, status.empty() ? "" : " | ", status.c_str());
 }
 

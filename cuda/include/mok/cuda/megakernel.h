@@ -80,9 +80,6 @@ struct MoeForwardArgs {
   uint32_t* epoch_counter = nullptr;
   int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
-  // A tile's second 64 rows that are all padding get no MMA (their outputs are zero either way;
-  // every token row's bits are the same). Off only to measure what it saves.
-  bool skip_padding_halves = true;
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen,
                               // the failed call's epoch, the running call's epoch
@@ -155,7 +152,6 @@ struct MoeBackwardArgs {
   int32_t* experts_status = nullptr;  // [1], the expert kernels' status word
   double timeout_s = 10.0;
   int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
-  bool skip_padding_halves = true;  // as MoeForwardArgs's: dh's and dx's tiles
   // true: the backward megakernel (needs minibatch_rows and counters: FusedBuffers::wire sets
   // them); false: the stage kernels. The C API and mok.moe take the planner's choice.
   bool fused = false;

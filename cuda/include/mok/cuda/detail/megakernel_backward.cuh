@@ -46,7 +46,6 @@ struct MegaBackwardParams : MegaPassParams {
 struct BackwardPass {
   using Params = MegaBackwardParams;
   using Mainloop = BackwardDgradMainloop;
-  static constexpr bool kSkipsPaddingHalves = false;
 
   // (The epilogues take the thread index through an opaque move: opaque_thread, above the forward
   // pass; the backward spilled 196 bytes without it and 52 with this alone, 0 with the 32-bit

@@ -137,7 +137,6 @@ struct MegaPassParams {
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks of the two GEMMs
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
-  int32_t skip_padding_halves;       // 1: no MMA for a tile's 64 rows that are all padding (reduce_k_blocks)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -286,18 +285,6 @@ struct MegaTasks {
     return task;
   }
 };
-
-// The tasks of CTA `cta` of `ctas`: in round j, task j ctas + (cta + j) % ctas (the first is
-// cta), so round j's tasks [j ctas, (j + 1) ctas) go to the CTAs rotated by j. Every CTA still
-// takes its tasks in increasing order (what the waits' progress needs) and a round's tasks still
-// run together (the L2 sharing of the task order), but a kind of task that recurs every ctas
-// tasks does not fall to the same CTAs every round: with experts of 3 row blocks and 132 CTAs,
-// one third of the CTAs took every expert's last row block (measured, session 15: with those
-// blocks' padding halves skipped, the forward got 15% slower, its other CTAs the critical path).
-// next_round_task steps from one to the next: one round later, one CTA further, wrapping within
-// the round (only the task index, the CTA count and the task count stay live: a round counter
-// spilled in the consumers).
-CUTE_HOST_DEVICE int next_round_task(int linear, int ctas) { return linear + (linear % ctas == ctas - 1 ? 1 : ctas + 1); }
 
 // The teams that count in x_ready[b] when they have pulled minibatch b's rows: every compute CTA's
 // comm warps, or the comm CTAs.
@@ -561,7 +548,6 @@ __device__ auto epilogue_coords(int thread) {
 struct ForwardPass {
   using Params = MegaForwardParams;
   using Mainloop = ForwardMainloop;
-  static constexpr bool kSkipsPaddingHalves = true;  // reduce_padding_half for the padding rows of both GEMMs
 
   template <class Acc, class Coords>
   static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
@@ -639,7 +625,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const int total = tasks.total();
       [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = cta; linear < total; linear = next_round_task(linear, ctas)) {
+      for (int linear = cta; linear < total; linear += ctas) {
         const MegaTask task = tasks.at(linear);
         if constexpr (Params::kWeightGradients) {
           if (task.wgrad != 0) {
@@ -677,7 +663,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<kStages> read_state;
     cutlass::PipelineState<kStages> release_state;
-    for (int linear = cta; linear < total; linear = next_round_task(linear, ctas)) {
+    for (int linear = cta; linear < total; linear += ctas) {
       if constexpr (Params::kWeightGradients) {
         if (linear >= tasks.pass_total()) {
           Pass::wgrad_task(p, tasks.at(linear), acc, tCcC, consumer_thread, smem, pipeline, read_state, release_state);
@@ -686,22 +672,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       }
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
-      int k_blocks, row_block;
-      {
-        const MegaTask task = tasks.at(linear);
-        k_blocks = task.tile.k_end;
-        row_block = task.row_block;
-      }
-      // Both GEMMs' A rows are the schedule's rows of the block (the pulled rows, then their h):
-      // a segment's token rows come first, its padding rows (zero in the ring) last, and every
-      // 128-row block starts with a token row, so only the second warpgroup's half can be padding.
-      const bool padding_half = Pass::kSkipsPaddingHalves && p.skip_padding_halves &&
-                                p.src_rank[row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
-      if (padding_half && warpgroup == 2) {
-        reduce_padding_half(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
-      } else {
-        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks, padding_half);
-      }
+      const int k_blocks = tasks.at(linear).tile.k_end;
+      reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
         Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
