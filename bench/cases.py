@@ -11,7 +11,8 @@ Kinds:
   ``local_experts`` experts with ``rows_per_expert`` rows on average.
 
 Select with ``--cases TABLE[:FILTER]``, FILTER being ``field=value[|value...]`` pairs joined by
-commas, e.g. ``baselines_2gpu:preset=kimi-k2|mixtral-8x7b,tokens=2048``. Filter fields: kind,
+commas, e.g. ``baselines_2gpu:preset=kimi-k2|mixtral-8x7b,tokens=2048`` (``\\|`` works as ``|``; a value no
+case has is an error). Filter fields: kind,
 preset, ranks, tokens, rows, experts, routing.
 """
 
@@ -149,7 +150,13 @@ def select_cases(spec: str) -> list[Case]:
         key, eq, values = term.partition("=")
         if not eq or key not in _FILTER_FIELDS:
             raise ValueError(f"bad filter term {term!r}; use field=value with field in {sorted(_FILTER_FIELDS)}")
-        wanted = set(values.split("|"))
+        # "\|" as "|": a pipe escaped for a shell (left in by double quotes) still separates.
+        wanted = set(values.replace("\\|", "|").split("|"))
+        have = {str(getattr(c, _FILTER_FIELDS[key])) for c in cases}
+        unmatched = sorted(wanted - have)
+        if unmatched:  # a misspelt value would otherwise drop its cases without a word
+            raise ValueError(f"filter {term!r}: no case of {name} left has {key} {', '.join(map(repr, unmatched))}; "
+                             f"there are {', '.join(sorted(have))}")
         cases = [c for c in cases if str(getattr(c, _FILTER_FIELDS[key])) in wanted]
     return cases
 

@@ -176,6 +176,12 @@ def test_case_tables_are_well_formed() -> None:
     assert select_cases("baselines_2gpu:preset=kimi-k2,tokens=2048")[0].preset == "kimi-k2"
     with pytest.raises(ValueError):
         select_cases("baselines_2gpu:nonsense=1")
+    # A pipe escaped for a shell separates as one; a value no case has is an error, not a dropped case.
+    escaped = select_cases("baselines_2gpu:tokens=2048\\|8192,preset=deepseek-v4-pro\\|kimi-k2,routing=balanced")
+    assert {(c.preset, c.tokens_per_rank) for c in escaped} == {
+        (p, t) for p in ("deepseek-v4-pro", "kimi-k2") for t in (2048, 8192)}
+    with pytest.raises(ValueError, match="deepseek-v4"):
+        select_cases("baselines_2gpu:preset=deepseek-v4|kimi-k2")
     for name, p in PRESETS.items():
         assert p.name == name and p.E > 0 and p.topk <= p.E
 
