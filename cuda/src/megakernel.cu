@@ -41,7 +41,8 @@ struct CounterLayout {
   int64_t y_done() const { return minibatches; }
   int64_t h_ready() const { return 2 * minibatches; }
   int64_t done_ctas() const { return 2 * minibatches + row_blocks; }
-  int64_t words() const { return 2 * minibatches + row_blocks + 1; }
+  int64_t task_claims() const { return 2 * minibatches + row_blocks + 1; }
+  int64_t words() const { return 2 * minibatches + row_blocks + 2; }
 };
 
 CounterLayout counter_layout(int64_t row_capacity, int64_t minibatch_rows) {
@@ -238,6 +239,8 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.y_done = a.counters + counters.y_done();
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
+  p.task_claims = a.counters + counters.task_claims();
+  p.claim_tasks = 0;  // the forward sets its own (MoeForwardArgs::claim_tasks)
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
   p.experiment_skips = experiment_skips();
@@ -513,6 +516,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
       host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
   wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
+  p.claim_tasks = a.claim_tasks ? 1 : 0;
   p.n_first = ceil_div(I, GemmConfig::kHalfN);
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);

@@ -45,6 +45,7 @@ struct RunConfig {
   // counter, and the graphs launched on every run instead of the calls.
   bool graph = false;
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
+  bool claim_tasks = true;    // MoeForwardArgs::claim_tasks (false: the static order c + j CTAs)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -236,6 +237,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
+      a.claim_tasks = cfg.claim_tasks;
       a.swiglu_limit = d.swiglu_limit;
       if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
       a.timeout_s = cfg.timeout_s;
@@ -485,17 +487,20 @@ TEST_P(Megakernel, MatchesTheReferenceAndIsBitwiseStable) {
   const auto staged = staged_forward(in);
   for (int r = 0; r < c.desc.ranks; ++r)
     EXPECT_EQ(first_bit_difference(first.y[r], staged[r]), -1) << "y rank " << r << " differs from the staged path";
-  // Other minibatch, ring and comm sizes, and one more fresh run: the same bits.
-  std::vector<RunConfig> others(3);
+  // Other minibatch, ring and comm sizes, the static task order, and one more fresh run: the same bits.
+  std::vector<RunConfig> others(5);
   others[0].minibatch_rows = 256, others[0].ring_slots = 1, others[0].comm_ctas = 1;
   others[1].minibatch_rows = 128, others[1].ring_slots = 64, others[1].comm_ctas = 5;
   others[2].minibatch_rows = 384, others[2].ring_slots = 3;
+  others[3].claim_tasks = false;
+  others[4].claim_tasks = false, others[4].minibatch_rows = 256, others[4].ring_slots = 1, others[4].comm_ctas = 2;
   for (const RunConfig& cfg : others) {
     const Outputs again = run_forward(in, cfg, 1);
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(again.errors[r], "") << "rank " << r;
       EXPECT_EQ(first_bit_difference(again.y[r], first.y[r]), -1)
-          << "y rank " << r << " differs with minibatch " << cfg.minibatch_rows << " x " << cfg.ring_slots << " slots";
+          << "y rank " << r << " differs with minibatch " << cfg.minibatch_rows << " x " << cfg.ring_slots << " slots"
+          << (cfg.claim_tasks ? "" : ", static task order");
       EXPECT_EQ(first_bit_difference(again.gu[r], first.gu[r]), -1)
           << "g|u rank " << r << " differs with minibatch " << cfg.minibatch_rows;
     }

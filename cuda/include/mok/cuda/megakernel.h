@@ -80,6 +80,10 @@ struct MoeForwardArgs {
   uint32_t* epoch_counter = nullptr;
   int comm_ctas = 0;         // CTAs that only pull rows; 0 (the default): 3 warps of every CTA pull them
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
+  // How the compute CTAs take their tasks: true (the default), each claims the next unclaimed
+  // task from a counter when its producer is free; false, CTA c takes tasks c, c + CTAs, ...
+  // The same bits either way (detail::next_task).
+  bool claim_tasks = true;
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen,
                               // the failed call's epoch, the running call's epoch

@@ -45,6 +45,7 @@ struct GroupedGemmSharedStorage {
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
   int held_b[GemmConfig::kStages][3];  // the producer's load_k_blocks_keeping_b: each stage's B k-block
   int longest_segment;                 // TileOrder::expert_weight_columns: the most rows of one expert
+  int task_of_stage[GemmConfig::kStages];  // the forward megakernel: the task whose first k-block a stage holds
 };
 
 // Which tiles a launch computes: the row tiles of grouped rows, or the per-expert weight tiles in

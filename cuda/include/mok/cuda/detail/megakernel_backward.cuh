@@ -46,6 +46,7 @@ struct MegaBackwardParams : MegaPassParams {
 struct BackwardPass {
   using Params = MegaBackwardParams;
   using Mainloop = BackwardDgradMainloop;
+  static constexpr bool kTasksInStages = false;  // the static order (next_task says why)
 
   // (The epilogues take the thread index through an opaque move: opaque_thread, above the forward
   // pass; the backward spilled 196 bytes without it and 52 with this alone, 0 with the 32-bit
