@@ -241,6 +241,7 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.done_ctas = a.counters + counters.done_ctas();
   p.task_claims = a.counters + counters.task_claims();
   p.claim_tasks = 0;  // the forward sets its own (MoeForwardArgs::claim_tasks)
+  p.skip_padding_halves = 0;  // and this one (MoeForwardArgs::skip_padding_halves)
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
   p.experiment_skips = experiment_skips();
@@ -416,6 +417,12 @@ std::string can_implement(const MoeForwardArgs& a) {
     why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
         << "; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
+  // A task's id shares its word with a flag (detail::kPaddingHalfFlag).
+  const int64_t columns = ceil_div(a.intermediate, int64_t{GemmConfig::kHalfN}) +
+                          ceil_div(a.hidden, int64_t{GemmConfig::kBlockN});
+  const int64_t tasks = ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) * columns;
+  if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0 && tasks >= detail::kPaddingHalfFlag)
+    why << "too many tiles for one forward call (" << tasks << " >= 2^30: fewer tokens per call); ";
   return host_util::trimmed(why.str());
 }
 
@@ -517,6 +524,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
   wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
   p.claim_tasks = a.claim_tasks ? 1 : 0;
+  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.n_first = ceil_div(I, GemmConfig::kHalfN);
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);

@@ -46,6 +46,7 @@ struct RunConfig {
   bool graph = false;
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
   bool claim_tasks = true;    // MoeForwardArgs::claim_tasks (false: the static order c + j CTAs)
+  bool skip_padding_halves = true;  // MoeForwardArgs::skip_padding_halves
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -107,6 +108,7 @@ struct Outputs {
   std::vector<uint32_t> epochs;               // per rank, its epoch counter after the runs (graph)
   std::vector<std::vector<uint16_t>> y;       // [R][T*H]
   std::vector<std::vector<uint16_t>> gu;      // [R][rows*2I], rows [0, offsets[El])
+  std::vector<int> padding_halves;            // per rank, the 128-row blocks whose last 64 rows are all padding
   std::vector<std::string> errors;            // per rank, "" = fine
   // With the backward: per rank dx [T*H] bf16 bits, d topk_w [T*k]; weight gradients of all E
   // experts in rank order (as the reference's d_routed).
@@ -238,6 +240,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.claim_tasks = cfg.claim_tasks;
+      a.skip_padding_halves = cfg.skip_padding_halves;
       a.swiglu_limit = d.swiglu_limit;
       if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
       a.timeout_s = cfg.timeout_s;
@@ -341,6 +344,13 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     std::vector<uint16_t> gu = rk.gu->download();
     gu.resize(size_t(std::max(0, offsets[El])) * 2 * I);
     out.gu.push_back(gu);
+    cuda::MoeForwardArgs wired;
+    rk.buffers->wire(wired);
+    std::vector<int32_t> rows(static_cast<size_t>(El));
+    cudaMemcpy(rows.data(), wired.expert_rows, rows.size() * 4, cudaMemcpyDeviceToHost);
+    int halves = 0;
+    for (int32_t n : rows) halves += n % 128 != 0 && n % 128 <= 64;
+    out.padding_halves.push_back(halves);
     cudaStreamDestroy(rk.stream);
   }
   return out;
@@ -517,6 +527,44 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R4_zipf", desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
                       Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Segments ending at most 64 rows into their last 128-row block (balanced routing at 160 rows per
+// expert: every expert's last block; uniform routing: some): the forward's second warpgroup skips
+// those blocks' MMA (reduce_padding_half). y, g|u and the backward's outputs are the same bits as
+// with every MMA issued (in the static task order as well), and y matches the reference.
+TEST(MegakernelPadding, SkippedHalvesKeepEveryBit) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  for (const Case& c : {Case{"R1_balanced_160", desc(1, 640, 512, 256, 16, 4), RoutingKind::balanced},
+                        Case{"R2_uniform", desc(2, 300, 512, 256, 16, 4), RoutingKind::uniform}}) {
+    const auto in = make_inputs<float>(c.desc, c.routing, 4321, true);
+    const auto dy = make_output_grad<float>(c.desc, 4322, true);
+    const auto fwd = ref::layer_forward(in, ref::Rounding::bf16);
+    RunConfig cfg;
+    cfg.backward = true;
+    cfg.dy = &dy;
+    const Outputs skipped = run_forward(in, cfg, 2);
+    cfg.skip_padding_halves = false;
+    cfg.claim_tasks = false;
+    const Outputs full = run_forward(in, cfg, 1);
+    int halves = 0;
+    for (int r = 0; r < c.desc.ranks; ++r) {
+      ASSERT_EQ(skipped.errors[r], "") << c.name << " rank " << r;
+      ASSERT_EQ(full.errors[r], "") << c.name << " rank " << r;
+      halves += skipped.padding_halves[r];
+      const Comparison y = compare(from_bits(skipped.y[r]), fwd.y[r]);
+      EXPECT_TRUE(y.within(kBf16RelTolerance)) << y.describe(std::string(c.name) + " y rank " + std::to_string(r));
+      EXPECT_EQ(first_bit_difference(skipped.y[r], full.y[r]), -1) << c.name << " y rank " << r;
+      EXPECT_EQ(first_bit_difference(skipped.gu[r], full.gu[r]), -1) << c.name << " g|u rank " << r;
+      EXPECT_EQ(first_bit_difference(skipped.dx[r], full.dx[r]), -1) << c.name << " dx rank " << r;
+      EXPECT_EQ(first_bit_difference(skipped.d_topk_w[r], full.d_topk_w[r]), -1) << c.name << " d topk_w rank " << r;
+    }
+    EXPECT_EQ(first_bit_difference(skipped.dwg, full.dwg), -1) << c.name << " dW_gate";
+    EXPECT_EQ(first_bit_difference(skipped.dwu, full.dwu), -1) << c.name << " dW_up";
+    EXPECT_EQ(first_bit_difference(skipped.dwd, full.dwd), -1) << c.name << " dW_down";
+    std::printf("[ %s ] %d row blocks with a padding half\n", c.name, halves);
+    EXPECT_GT(halves, 0) << c.name << ": the case has no padding half to skip";
+  }
+}
 
 class MegakernelBackward : public ::testing::TestWithParam<Case> {};
 

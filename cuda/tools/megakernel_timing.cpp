@@ -88,7 +88,7 @@ void run(const Shape& s) {
   }
   mok::cuda::preload_kernels();  // before any rank's barrier spins
   uint32_t epoch = 0;
-  bool claim_tasks = true;
+  bool claim_tasks = true, skip_padding_halves = true;
   auto fused = [&]() {
     ++epoch;
     for (int r = 0; r < R; ++r) {
@@ -105,24 +105,32 @@ void run(const Shape& s) {
       a.comm_ctas = c.comm_sms;
       a.num_sms = ctas;
       a.claim_tasks = claim_tasks;
+      a.skip_padding_halves = skip_padding_halves;
       mok::cuda::moe_forward(a, rd.stream);
     }
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
-  // Claimed tasks (the default) and the static order, alternately 3 times each: the clocks drift
-  // under the power cap, so one of each would compare moments. Medians.
-  std::vector<float> claimed, fixed;
+  // Four variants, round-robin 3 times each: claimed tasks or the static order
+  // (MoeForwardArgs::claim_tasks), each with and without the padding halves' MMA
+  // (skip_padding_halves). The clocks drift under the power cap, so one of each would compare
+  // moments. Medians; the first variant is the default.
+  const char* names[4] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA"};
+  std::vector<float> times[4];
   for (int round = 0; round < 3; ++round) {
-    claim_tasks = true;
-    claimed.push_back(time_ms(fused, 10, /*warmup=*/2));
-    claim_tasks = false;
-    fixed.push_back(time_ms(fused, 10, /*warmup=*/2));
+    for (int v = 0; v < 4; ++v) {
+      claim_tasks = v < 2;
+      skip_padding_halves = v % 2 == 0;
+      times[v].push_back(time_ms(fused, 10, /*warmup=*/2));
+    }
   }
   claim_tasks = true;
-  std::sort(claimed.begin(), claimed.end());
-  std::sort(fixed.begin(), fixed.end());
-  const float t_fused = claimed[1], t_static = fixed[1];
+  skip_padding_halves = true;
+  for (int v = 0; v < 4; ++v) {
+    std::sort(times[v].begin(), times[v].end());
+    std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", names[v], times[v][0], times[v][1], times[v][2]);
+  }
+  const float t_fused = times[0][1], t_every_mma = times[1][1], t_static = times[2][1];
   int32_t words[mok::cuda::kFailureWords];
   CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words);
@@ -165,10 +173,10 @@ void run(const Shape& s) {
   const double flops = 6.0 * double(used) * double(H) * double(I);
   std::printf(
       "H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, comm %d, minibatch %lld, ring %lld | "
-      "fused %8.3f ms (all ranks, claimed tasks; static order %8.3f) | GEMMs alone %8.3f ms (rank 0, %lld rows, "
-      "%.0f TF/s) | fused/GEMMs %.2f%s%s\n",
+      "fused %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f) | GEMMs alone %8.3f ms (rank 0, "
+      "%lld rows, %.0f TF/s) | fused/GEMMs %.2f%s%s\n",
       (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas, c.comm_sms,
-      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_static, t_gemms, (long long)used,
+      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_every_mma, t_static, t_gemms, (long long)used,
       flops / (t_gemms * 1e-3) / 1e12, t_fused / t_gemms, status.empty() ? "" : " | ", status.c_str());
 }
 

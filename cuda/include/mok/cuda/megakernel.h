@@ -84,6 +84,10 @@ struct MoeForwardArgs {
   // task from a counter when its producer is free; false, CTA c takes tasks c, c + CTAs, ...
   // The same bits either way (detail::next_task).
   bool claim_tasks = true;
+  // A tile whose second 64 rows are all padding (a segment's last row block, where the segment
+  // ends at most 64 rows into it): that half gets no MMA. Its outputs are not stored either way,
+  // so every token row's bits are the same. Off only to measure what it saves.
+  bool skip_padding_halves = true;
   std::optional<float> swiglu_limit;
   int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen,
                               // the failed call's epoch, the running call's epoch

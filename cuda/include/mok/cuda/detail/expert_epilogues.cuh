@@ -134,6 +134,14 @@ __device__ __forceinline__ void store_shared(void* at, float2 v) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(at));
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(v.x), "f"(v.y) : "memory");
 }
+// And 16 bytes read through it (the forward's push read its staging rows with generic 64-bit
+// loads, LD.E.128; their addresses' registers spilled 4 bytes there, session 16).
+__device__ __forceinline__ uint4 load_shared_16(const void* at) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(at));
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
+}
 
 // Writes chunk number `chunk` of a tile: value(Int<i>) for the thread's accumulator values
 // i in [kI0, kI0 + kCols/2) (pairs i, i+1) goes to its (row, col - col0) in staging tile chunk % 2,

@@ -123,10 +123,12 @@ __device__ __forceinline__ void load_k_blocks_keeping_b(const typename Mainloop:
 // one) of the stages' A x B^T, reading each stage once its TMA loads landed and releasing it once
 // the wgmma batch after it was issued (one batch stays in flight). Every kernel here and both
 // megakernel passes reduce with it, so a tile's bits depend only on its operands and k order.
+// `for_padding_half`: the other warpgroup's rows are all padding (reduce_padding_half), so this
+// one also releases the stages after the first on its behalf.
 template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
 __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                 Pipeline& pipeline, State& read_state, State& release_state,
-                                                int k_begin, int k_end) {
+                                                int k_begin, int k_end, bool for_padding_half = false) {
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   warpgroup_fence_operand(acc);
   for (int kb = k_begin; kb < k_end; ++kb) {
@@ -143,14 +145,34 @@ __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, con
     warpgroup_wait<1>();
     if (kb > k_begin) {
       pipeline.consumer_release(release_state);
+      if (for_padding_half && kb - 1 > k_begin) pipeline.consumer_release(release_state);
       ++release_state;
     }
     ++read_state;
   }
   warpgroup_wait<0>();
   pipeline.consumer_release(release_state);
+  if (for_padding_half && k_end - 1 > k_begin) pipeline.consumer_release(release_state);
   ++release_state;
   warpgroup_fence_operand(acc);
+}
+
+// reduce_k_blocks for a warpgroup whose 64 rows of the tile are all padding rows (zeros in A):
+// its accumulator is zero after any k-block, so it reduces only the first (a wgmma defines the
+// accumulator: zeroing it with other instructions makes ptxas serialize every wgmma of the kernel,
+// C7515) and leaves the other stages to the other warpgroup, which has the tensor cores to itself
+// and releases them for both (reduce_k_blocks' for_padding_half). This one neither waits for nor
+// polls them: the epilogue's barrier of both warpgroups keeps it from the next tile's stages
+// until the other is done with these. (The zeros' signs are not specified.)
+template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
+__device__ __forceinline__ void reduce_padding_half(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                                                    Pipeline& pipeline, State& read_state, State& release_state,
+                                                    int k_begin, int k_end) {
+  reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, k_begin, k_begin + 1);
+  for (int kb = k_begin + 1; kb < k_end; ++kb) {
+    ++read_state;
+    ++release_state;
+  }
 }
 
 template <class Mainloop, class Epilogue>

@@ -137,6 +137,7 @@ struct MegaPassParams {
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks of the two GEMMs
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
+  int32_t skip_padding_halves;       // 1: no MMA for a tile's 64 rows that are all padding (the forward)
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -298,6 +299,9 @@ struct MegaTasks {
 // producer's arrival on its full barrier, which releases the write to the consumers' wait), and
 // ends with a stage that holds no bytes and the task count. (The backward keeps the static
 // order: a weight-gradient tile of an empty expert has no k-block to carry its id.)
+// The id's word also says whether the tile's second 64 rows are all padding (kPaddingHalfFlag:
+// MegaPassParams::skip_padding_halves), which the consumers have no register to spare to find.
+constexpr int kPaddingHalfFlag = 1 << 30;
 template <class Params>
 __device__ __forceinline__ int next_task(const Params& p, int linear, int ctas) {
   return p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : linear + ctas;
@@ -527,7 +531,7 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
       static_for<16>([&](auto j) {  // the thread's 32 values of columns [64c, 64c + 64)
         constexpr int i = 32 * c + 2 * decltype(j)::value;
         const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 64 * c;
-        *reinterpret_cast<__nv_bfloat162*>(&sC(r, col)) = __floats2bfloat162_rn(acc(i), acc(i + 1));
+        store_shared(&sC(r, col), __floats2bfloat162_rn(acc(i), acc(i + 1)));
       });
     });
     consumers_sync();
@@ -541,7 +545,7 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
         const int col = n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
         Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
         if (col < p.width() && !p.skips_push())
-          *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&sC(r, 8 * piece));
+          *reinterpret_cast<uint4*>(dst + col) = load_shared_16(&sC(r, 8 * piece));
       }
     }
   });
@@ -671,7 +675,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         fence_proxy_async();  // the rows the counter announced are read by TMA
         GroupedTile rest = task.tile;
         if constexpr (Pass::kTasksInStages) {  // the first k-block's stage also carries the task's id
-          announce_task(state, smem, linear);
+          // Both GEMMs' A rows are the schedule's rows of the block (the pulled rows, then their
+          // h): a segment's token rows come first and its padding rows (zeros) last, and every
+          // 128-row block starts with a token row, so only the second warpgroup's half can be
+          // all padding. The flag goes with the id (bit 30; ids < 2^30: the launcher's checks).
+          const bool padding_half = p.skip_padding_halves &&
+                                    p.src_rank[task.row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
+          announce_task(state, smem, linear | (padding_half ? kPaddingHalfFlag : 0));
           pipeline.producer_acquire(state, cutlass::ProducerToken{cutlass::BarrierStatus::WaitDone});
           Mainloop::load(task.second ? p.second_load : p.first_load, smem.a, smem.b, task.tile, rest.k_begin,
                          state.index(), *pipeline.producer_get_barrier(state));
@@ -702,16 +712,21 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     Tensor acc = partition_fragment_C(mma, Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
 
     cutlass::PipelineState<kStages> read_state;
-    cutlass::PipelineState<kStages> release_state;
     for (int static_linear = cta;; static_linear += ctas) {
+      // Every task releases each stage it reads, so here the release state is the read state: a
+      // copy per task, not a second state kept through the epilogues (registers: with the padding
+      // halves' branch, keeping it spilled 12 bytes there).
+      cutlass::PipelineState<kStages> release_state = read_state;
       int linear = static_linear;
+      bool padding_half = false;  // the other warpgroup's half, or this one's, is all padding
       if constexpr (Pass::kTasksInStages) {  // the producer's choice, in the stage of the task's first k-block
         pipeline.consumer_wait(read_state);
-        linear = *reinterpret_cast<volatile int*>(&smem.task_of_stage[read_state.index()]);
+        const int word = *reinterpret_cast<volatile int*>(&smem.task_of_stage[read_state.index()]);
+        linear = word & (kPaddingHalfFlag - 1);
+        padding_half = (word & kPaddingHalfFlag) != 0;
         if (linear >= total) {  // no more tasks: the stage holds no bytes
           pipeline.consumer_release(read_state);
           ++read_state;
-          ++release_state;
           break;
         }
       } else if (linear >= total) {
@@ -726,7 +741,11 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       // Only the k-block count lives through the mainloop; the task is derived again for the
       // epilogue (registers: the accumulator takes 128 of them).
       const int k_blocks = tasks.at(linear).tile.k_end;
-      reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+      if (padding_half && warpgroup == 2) {
+        reduce_padding_half(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks);
+      } else {
+        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, 0, k_blocks, padding_half);
+      }
       const MegaTask task = tasks.at(linear);
       if (!task.second) {
         Pass::first_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
