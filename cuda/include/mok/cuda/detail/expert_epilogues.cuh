@@ -396,9 +396,18 @@ struct SwiGluBackwardEpilogueOf {
       CUTE_UNROLL
       for (int v = 0; v < 2; ++v) {
         const int64_t col = col0 + 32 * b + 8 * v;
+        // Two 16-byte loads through the shared window: the 128-byte swizzle moves 16-byte groups
+        // only, so columns 4j..4j+3 of a row are contiguous (elementwise, these were 8 generic
+        // 4-byte loads, LD.E: 128 per thread per tile, session 16).
         float dh[8];
         CUTE_UNROLL
-        for (int k = 0; k < 8; ++k) dh[k] = sC(seg_row, seg_col + 8 * v + k);
+        for (int q = 0; q < 2; ++q) {
+          const uint4 four = load_shared_16(&sC(seg_row, seg_col + 8 * v + 4 * q));
+          dh[4 * q] = __uint_as_float(four.x);
+          dh[4 * q + 1] = __uint_as_float(four.y);
+          dh[4 * q + 2] = __uint_as_float(four.z);
+          dh[4 * q + 3] = __uint_as_float(four.w);
+        }
         if (col < p.intermediate) vector8(p, row, col, w, dh, partial);  // I % 8 == 0
       }
     }
