@@ -30,6 +30,21 @@ TEST(MegakernelChecks, CombineSlotsPastTwoToThe24AreRefusedByName) {
   expect_slot_limit<MoeBackwardArgs>();
 }
 
+// The forward's task id shares a 32-bit word with the padding-half flag (bit 30): a call of 2^30
+// tiles or more is refused by name, one tile row fewer is not.
+TEST(MegakernelChecks, ForwardsOfTwoToThe30TilesAreRefusedByName) {
+  const char* what = "too many tiles for one forward call";
+  MoeForwardArgs a;
+  a.hidden = 256;         // 1 down column tile of 256
+  a.intermediate = 16384;  // 128 gate|up column tiles of 128: 129 tiles per row block
+  const int64_t blocks = ((int64_t{1} << 30) + 128) / 129;  // the fewest row blocks reaching 2^30 tiles
+  a.row_capacity = blocks * 128;                             // (under the 2^30 rows refused on their own)
+  ASSERT_LE(a.row_capacity, int64_t{1} << 30);
+  EXPECT_NE(can_implement(a).find(what), std::string::npos) << can_implement(a);
+  a.row_capacity -= 128;
+  EXPECT_EQ(can_implement(a).find(what), std::string::npos) << can_implement(a);
+}
+
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
 // cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows;
 // anything else is refused by name, by can_implement and before a kernel is launched (the
