@@ -240,8 +240,8 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
   p.task_claims = a.counters + counters.task_claims();
-  p.claim_tasks = 0;  // the forward sets its own (MoeForwardArgs::claim_tasks)
-  p.skip_padding_halves = 0;  // and this one (MoeForwardArgs::skip_padding_halves)
+  p.claim_tasks = 0;          // each pass sets its own (MoeForwardArgs::claim_tasks, MoeBackwardArgs's)
+  p.skip_padding_halves = 0;  // and this one
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
   p.experiment_skips = experiment_skips();
@@ -395,6 +395,15 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {
   return counter_layout(row_capacity, minibatch_rows).words();
 }
 
+namespace {
+// A megakernel task's id shares its word with a flag (detail::kPaddingHalfFlag).
+std::string tile_limit(const char* pass, int64_t tasks) {
+  if (tasks < detail::kPaddingHalfFlag) return "";
+  return "too many tiles for one " + std::string(pass) + " call (" + std::to_string(tasks) +
+         " >= 2^30: fewer tokens per call); ";
+}
+}  // namespace
+
 std::string can_implement(const MoeForwardArgs& a) {
   std::ostringstream why;
   const RoutingShape& s = a.shape;
@@ -417,12 +426,11 @@ std::string can_implement(const MoeForwardArgs& a) {
     why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
         << "; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  // A task's id shares its word with a flag (detail::kPaddingHalfFlag).
-  const int64_t columns = ceil_div(a.intermediate, int64_t{GemmConfig::kHalfN}) +
-                          ceil_div(a.hidden, int64_t{GemmConfig::kBlockN});
-  const int64_t tasks = ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) * columns;
-  if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0 && tasks >= detail::kPaddingHalfFlag)
-    why << "too many tiles for one forward call (" << tasks << " >= 2^30: fewer tokens per call); ";
+  if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0) {
+    const int64_t columns = ceil_div(a.intermediate, int64_t{GemmConfig::kHalfN}) +
+                            ceil_div(a.hidden, int64_t{GemmConfig::kBlockN});
+    why << tile_limit("forward", ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) * columns);
+  }
   return host_util::trimmed(why.str());
 }
 
@@ -579,6 +587,8 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
   p.wd_n = ceil_div(I, GemmConfig::kBlockN);
   // One ring slot per minibatch: every row is kept. Comm warps pull (no comm CTAs).
   wire_pass(p, a, a.dy_rows, counters.minibatches * M, /*comm=*/0, l.dy, l.dx_slots, l.dx_arrived(me));
+  p.claim_tasks = a.claim_tasks ? 1 : 0;
+  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.n_first = int(dw_partial_blocks(I));
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, Mainloop::kBlockK);
@@ -612,6 +622,15 @@ std::string can_implement(const MoeBackwardArgs& a) {
     if (a.minibatch_rows < GemmConfig::kBlockM || a.minibatch_rows % GemmConfig::kBlockM != 0)
       why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
     if (a.counters == nullptr) why << "counters must be set (the fused backward's); ";
+    const int64_t H = a.hidden, I = a.intermediate;
+    if (a.row_capacity > 0 && H > 0 && I > 0) {  // (the others are refused by common_checks)
+      const auto tiles = [](int64_t rows, int64_t cols) {
+        return ceil_div(rows, int64_t{GemmConfig::kBlockM}) * ceil_div(cols, int64_t{GemmConfig::kBlockN});
+      };
+      const int64_t dgrad = ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) *
+                            (dw_partial_blocks(I) + ceil_div(H, int64_t{GemmConfig::kBlockN}));
+      why << tile_limit("fused backward", dgrad + a.shape.local_experts() * (2 * tiles(I, H) + tiles(H, I)));
+    }
   }
   return host_util::trimmed(why.str());
 }

@@ -30,9 +30,9 @@ TEST(MegakernelChecks, CombineSlotsPastTwoToThe24AreRefusedByName) {
   expect_slot_limit<MoeBackwardArgs>();
 }
 
-// The forward's task id shares a 32-bit word with the padding-half flag (bit 30): a call of 2^30
-// tiles or more is refused by name, one tile row fewer is not.
-TEST(MegakernelChecks, ForwardsOfTwoToThe30TilesAreRefusedByName) {
+// A megakernel task's id shares a 32-bit word with the padding-half flag (bit 30): a call of 2^30
+// tiles or more is refused by name, one row block fewer is not (both passes).
+TEST(MegakernelChecks, CallsOfTwoToThe30TilesAreRefusedByName) {
   const char* what = "too many tiles for one forward call";
   MoeForwardArgs a;
   a.hidden = 256;         // 1 down column tile of 256
@@ -43,6 +43,25 @@ TEST(MegakernelChecks, ForwardsOfTwoToThe30TilesAreRefusedByName) {
   EXPECT_NE(can_implement(a).find(what), std::string::npos) << can_implement(a);
   a.row_capacity -= 128;
   EXPECT_EQ(can_implement(a).find(what), std::string::npos) << can_implement(a);
+
+  // The fused backward: 128 dh column tiles of 256 (dw_partial_blocks) and 1 dx tile per row
+  // block, then one expert's weight-gradient tiles: 256 x 1 of dW_gate and of dW_up, 2 x 128 of
+  // dW_down.
+  const char* backward = "too many tiles for one fused backward call";
+  MoeBackwardArgs b;
+  b.fused = true;
+  b.shape = RoutingShape{1, 1, 1, 1};
+  b.hidden = 256;
+  b.intermediate = 32768;
+  const int64_t wgrad = 2 * 256 + 2 * 128;
+  b.row_capacity = ((int64_t{1} << 30) - wgrad + 128) / 129 * 128;  // the fewest row blocks reaching 2^30
+  ASSERT_LE(b.row_capacity, int64_t{1} << 30);
+  EXPECT_NE(can_implement(b).find(backward), std::string::npos) << can_implement(b);
+  b.row_capacity -= 128;
+  EXPECT_EQ(can_implement(b).find(backward), std::string::npos) << can_implement(b);
+  b.fused = false;  // the stage kernels have no task ids
+  b.row_capacity += 128;
+  EXPECT_EQ(can_implement(b).find(backward), std::string::npos) << can_implement(b);
 }
 
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes

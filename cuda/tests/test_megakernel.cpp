@@ -45,8 +45,8 @@ struct RunConfig {
   // counter, and the graphs launched on every run instead of the calls.
   bool graph = false;
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
-  bool claim_tasks = true;    // MoeForwardArgs::claim_tasks (false: the static order c + j CTAs)
-  bool skip_padding_halves = true;  // MoeForwardArgs::skip_padding_halves
+  bool claim_tasks = true;          // both passes' claim_tasks (false: the static order c + j CTAs)
+  bool skip_padding_halves = true;  // both passes' skip_padding_halves
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -270,6 +270,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.w_down = rk.w_down->ptr;
       rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
+      b.claim_tasks = cfg.claim_tasks;
+      b.skip_padding_halves = cfg.skip_padding_halves;
       if (cfg.replays(r)) {  // rows rebuilt from every rank's x, still in its symmetric buffer
         b.replay = true;
         b.x_rows = rk.replay_x->ptr;
@@ -529,9 +531,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::string(info.param.name); });
 
 // Segments ending at most 64 rows into their last 128-row block (balanced routing at 160 rows per
-// expert: every expert's last block; uniform routing: some): the forward's second warpgroup skips
+// expert: every expert's last block; uniform routing: some): both passes' second warpgroup skips
 // those blocks' MMA (reduce_padding_half). y, g|u and the backward's outputs are the same bits as
-// with every MMA issued (in the static task order as well), and y matches the reference.
+// with every MMA issued in the static task order, and y matches the reference.
 TEST(MegakernelPadding, SkippedHalvesKeepEveryBit) {
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   for (const Case& c : {Case{"R1_balanced_160", desc(1, 640, 512, 256, 16, 4), RoutingKind::balanced},
@@ -606,19 +608,22 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
   EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
   EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
-  // The stage kernels, the backward megakernel with other minibatches, and both replaying the rows
-  // of a forward that kept only its schedule (its ring two minibatches): the same bits.
-  for (const auto& [stages, minibatch, replay] :
-       {std::tuple{true, int64_t(128), false}, std::tuple{false, int64_t(256), false},
-        std::tuple{false, int64_t(384), false}, std::tuple{false, int64_t(128), true},
-        std::tuple{true, int64_t(128), true}}) {
+  // The stage kernels, the backward megakernel with other minibatches (one in the static task
+  // order with every MMA), and both replaying the rows of a forward that kept only its schedule
+  // (its ring two minibatches): the same bits.
+  for (const auto& [stages, minibatch, replay, fixed] :
+       {std::tuple{true, int64_t(128), false, false}, std::tuple{false, int64_t(256), false, false},
+        std::tuple{false, int64_t(384), false, false}, std::tuple{false, int64_t(128), true, false},
+        std::tuple{true, int64_t(128), true, false}, std::tuple{false, int64_t(256), false, true}}) {
     RunConfig other = cfg;
     other.stage_backward = stages;
     other.minibatch_rows = minibatch;
     other.replay = replay;
+    other.claim_tasks = !fixed;
+    other.skip_padding_halves = !fixed;
     const Outputs o = run_forward(in, other, 1);
     const std::string how = std::string(stages ? " (stage kernels" : " (minibatch " + std::to_string(minibatch)) +
-                            (replay ? ", replay)" : ")");
+                            (replay ? ", replay" : "") + (fixed ? ", static order, every MMA)" : ")");
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(o.errors[r], "") << "rank " << r << how;
       EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << "dx rank " << r << how;

@@ -46,8 +46,6 @@ struct MegaBackwardParams : MegaPassParams {
 struct BackwardPass {
   using Params = MegaBackwardParams;
   using Mainloop = BackwardDgradMainloop;
-  static constexpr bool kTasksInStages = false;  // the static order (next_task says why)
-
   // (The epilogues take the thread index through an opaque move: opaque_thread, above the forward
   // pass; the backward spilled 196 bytes without it and 52 with this alone, 0 with the 32-bit
   // staging addresses of SwiGluBackwardEpilogue.)
@@ -96,8 +94,9 @@ struct BackwardPass {
   // e's rows: it waits until every row block of e was pulled and its first-GEMM tiles are done,
   // once per expert (ready_expert; tiles come expert by expert): one acquire per row block and
   // tile held mixtral's tiles back (4096 rows per expert), 10% slower than separate launches.
-  template <class Pipeline, class State>
-  static __device__ void load_wgrad(const Params& p, const MegaTask& task, bfloat16_t* smem_a, bfloat16_t* smem_b,
+  // An empty expert's tiles (no k-block) wait for nothing: their stage holds only the id.
+  template <class Storage, class Pipeline, class State>
+  static __device__ void load_wgrad(const Params& p, const MegaTask& task, int linear, Storage& smem,
                                     Pipeline& pipeline, State& state, int& ready_expert) {
     if (task.tile.expert != ready_expert && !MOK_SKIPS(p, kSkipWaits)) {
       const int mb = p.mb_rows / GemmConfig::kBlockM;
@@ -109,7 +108,7 @@ struct BackwardPass {
       fence_proxy_async();  // what the counters announced is read by TMA
       ready_expert = task.tile.expert;
     }
-    load_k_blocks<BackwardWgradMainloop>(p.wgrad_load[task.wgrad - 1], smem_a, smem_b, task.tile, pipeline, state);
+    load_task<BackwardWgradMainloop>(p.wgrad_load[task.wgrad - 1], smem, task.tile, linear, pipeline, state);
   }
 
   // Consumers: the tile's reduction over the expert's rows in order (zero for an empty expert),
@@ -128,7 +127,9 @@ struct BackwardPass {
     const int t = opaque(thread);
     if (task.tile.k_end <= task.tile.k_begin) {
       // An empty expert's gradient is zero. Stored from a stand-in accumulator: clearing the real
-      // one here made ptxas serialize every wgmma of the kernel (C7515).
+      // one here made ptxas serialize every wgmma of the kernel (C7515). Its stage held only its id.
+      pipeline.consumer_release(release_state);
+      ++read_state;
       store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[0]);
       return;
     }

@@ -137,7 +137,7 @@ struct MegaPassParams {
   int32_t n_first, n_second, k_first, k_second;  // column tiles and k-blocks of the two GEMMs
   int32_t comm_ctas;                 // CTAs that only pull rows (0: comm warps pull them)
   int32_t comm_warps;                // 1: warps 1..3 of every compute CTA pull rows (comm_ctas = 0)
-  int32_t skip_padding_halves;       // 1: no MMA for a tile's 64 rows that are all padding (the forward)
+  int32_t skip_padding_halves;       // 1: no MMA for a tile's 64 rows that are all padding
   int32_t ranks, rank, topk, slots, hidden, row_vectors;
   const int32_t* offsets;
   const int32_t* src_rank;
@@ -150,7 +150,7 @@ struct MegaPassParams {
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
   uint32_t* task_claims;             // [1]: the next task to claim (claim_tasks)
-  int32_t claim_tasks;               // 1: the forward's compute CTAs claim tasks from task_claims; 0: c + j ctas
+  int32_t claim_tasks;               // 1: compute CTAs claim tasks from task_claims; 0: c + j ctas (next_task)
   WaitStatus status;                 // with the call's epoch, which the arrival words are set to
   const uint4* x[kMaxRanks];               // [T, H] on each rank: what is pulled (x, or dy)
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
@@ -289,16 +289,16 @@ struct MegaTasks {
   }
 };
 
-// How the forward's compute CTAs take their tasks (MegaPassParams::claim_tasks): CTA c takes c,
-// c + ctas, c + 2 ctas, ... (0), or each producer claims the next unclaimed task from a counter
+// How the compute CTAs of either pass take their tasks (MegaPassParams::claim_tasks): CTA c takes
+// c, c + ctas, c + 2 ctas, ... (0), or each producer claims the next unclaimed task from a counter
 // when it is free to load one (1, the default: the CTAs that finish early take more tasks; 2-4.5%
 // faster on one H200, session 15). Either way a CTA's tasks increase and tasks are claimed in
 // increasing order, so the lowest unfinished task can always run; which CTA computes a tile
 // cannot change a bit. The producer tells its consumers which task comes next in the stage of
 // the task's first k-block (task_of_stage: written after the stage is free and before the
-// producer's arrival on its full barrier, which releases the write to the consumers' wait), and
-// ends with a stage that holds no bytes and the task count. (The backward keeps the static
-// order: a weight-gradient tile of an empty expert has no k-block to carry its id.)
+// producer's arrival on its full barrier, which releases the write to the consumers' wait). A
+// task without k-blocks (an empty expert's weight gradient) gets a stage that holds only its id,
+// and the producer ends with one that holds the task count (announce_without_bytes).
 // The id's word also says whether the tile's second 64 rows are all padding (kPaddingHalfFlag:
 // MegaPassParams::skip_padding_halves), which the consumers have no register to spare to find.
 constexpr int kPaddingHalfFlag = 1 << 30;
@@ -307,9 +307,31 @@ __device__ __forceinline__ int next_task(const Params& p, int linear, int ctas) 
   return p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : linear + ctas;
 }
 template <class State, class Storage>
-__device__ __forceinline__ void announce_task(const State& state, Storage& smem, int linear) {
+__device__ __forceinline__ void announce_task(const State& state, Storage& smem, int word) {
   smem.pipeline.empty_barrier_[state.index()].wait(state.phase());
-  smem.task_of_stage[state.index()] = linear;
+  smem.task_of_stage[state.index()] = word;
+}
+// A stage with the word and no bytes: its full barrier passes at the producer's plain arrival.
+template <class State, class Storage>
+__device__ __forceinline__ void announce_without_bytes(State& state, Storage& smem, int word) {
+  announce_task(state, smem, word);
+  smem.pipeline.full_barrier_[state.index()].arrive();
+  ++state;
+}
+// The producer's part of a task: `word` (its id and flags) in the stage of its first k-block,
+// then its k-blocks in order (load_k_blocks); no k-blocks, a stage with the word alone.
+// (load_k_blocks' first acquire finds that stage free at once. Loading the first k-block apart,
+// without that second look, copied the mainloop's loads into the backward's producer once more,
+// and the comm warps beside it spilled 8 bytes: session 16.)
+template <class Mainloop, class Storage, class Pipeline, class State>
+__device__ __forceinline__ void load_task(const typename Mainloop::Params& load, Storage& smem,
+                                          const GroupedTile& tile, int word, Pipeline& pipeline, State& state) {
+  if (tile.k_end <= tile.k_begin) {
+    announce_without_bytes(state, smem, word);
+    return;
+  }
+  announce_task(state, smem, word);
+  load_k_blocks<Mainloop>(load, smem.a, smem.b, tile, pipeline, state);
 }
 
 // The teams that count in x_ready[b] when they have pulled minibatch b's rows: every compute CTA's
@@ -574,7 +596,6 @@ __device__ auto epilogue_coords(int thread) {
 struct ForwardPass {
   using Params = MegaForwardParams;
   using Mainloop = ForwardMainloop;
-  static constexpr bool kTasksInStages = true;  // next_task: static or claimed, each id passed in its first stage
 
   template <class Acc, class Coords>
   static __device__ void first_epilogue(const Params& p, const MegaTask& task, Acc& acc, const Coords& coords,
@@ -652,15 +673,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const int total = tasks.total();
       [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      int linear = cta;
-      if constexpr (Pass::kTasksInStages) {
-        if (p.claim_tasks) linear = int(atomicAdd(p.task_claims, 1u));
-      }
-      for (; linear < total; linear = Pass::kTasksInStages ? next_task(p, linear, ctas) : linear + ctas) {
+      int linear = p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : cta;
+      for (; linear < total; linear = next_task(p, linear, ctas)) {
         const MegaTask task = tasks.at(linear);
         if constexpr (Params::kWeightGradients) {
           if (task.wgrad != 0) {
-            Pass::load_wgrad(p, task, smem.a, smem.b, pipeline, state, ready_expert);
+            Pass::load_wgrad(p, task, linear, smem, pipeline, state, ready_expert);
             continue;
           }
         }
@@ -673,28 +691,16 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
                                task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
-        GroupedTile rest = task.tile;
-        if constexpr (Pass::kTasksInStages) {  // the first k-block's stage also carries the task's id
-          // Both GEMMs' A rows are the schedule's rows of the block (the pulled rows, then their
-          // h): a segment's token rows come first and its padding rows (zeros) last, and every
-          // 128-row block starts with a token row, so only the second warpgroup's half can be
-          // all padding. The flag goes with the id (bit 30; ids < 2^30: the launcher's checks).
-          const bool padding_half = p.skip_padding_halves &&
-                                    p.src_rank[task.row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
-          announce_task(state, smem, linear | (padding_half ? kPaddingHalfFlag : 0));
-          pipeline.producer_acquire(state, cutlass::ProducerToken{cutlass::BarrierStatus::WaitDone});
-          Mainloop::load(task.second ? p.second_load : p.first_load, smem.a, smem.b, task.tile, rest.k_begin,
-                         state.index(), *pipeline.producer_get_barrier(state));
-          ++state;
-          ++rest.k_begin;
-        }
-        load_k_blocks<Mainloop>(task.second ? p.second_load : p.first_load, smem.a, smem.b, rest, pipeline, state);
+        // Both GEMMs' A rows are the schedule's rows of the block (forward: the pulled rows, then
+        // their h; backward: the pulled dy, then dg|du): a segment's token rows come first and its
+        // padding rows (zeros) last, and every 128-row block starts with a token row, so only the
+        // second warpgroup's half can be all padding. The flag goes with the id.
+        const bool padding_half = p.skip_padding_halves &&
+                                  p.src_rank[task.row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
+        load_task<Mainloop>(task.second ? p.second_load : p.first_load, smem, task.tile,
+                            linear | (padding_half ? kPaddingHalfFlag : 0), pipeline, state);
       }
-      if constexpr (Pass::kTasksInStages) {  // no more tasks: a stage without bytes, its full barrier passed at once
-        announce_task(state, smem, total);
-        smem.pipeline.full_barrier_[state.index()].arrive();
-        ++state;
-      }
+      announce_without_bytes(state, smem, total);  // no more tasks
       pipeline.producer_tail(state);
     }
   } else {
@@ -712,24 +718,19 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     Tensor acc = partition_fragment_C(mma, Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
 
     cutlass::PipelineState<kStages> read_state;
-    for (int static_linear = cta;; static_linear += ctas) {
+    for (;;) {
       // Every task releases each stage it reads, so here the release state is the read state: a
       // copy per task, not a second state kept through the epilogues (registers: with the padding
       // halves' branch, keeping it spilled 12 bytes there).
       cutlass::PipelineState<kStages> release_state = read_state;
-      int linear = static_linear;
-      bool padding_half = false;  // the other warpgroup's half, or this one's, is all padding
-      if constexpr (Pass::kTasksInStages) {  // the producer's choice, in the stage of the task's first k-block
-        pipeline.consumer_wait(read_state);
-        const int word = *reinterpret_cast<volatile int*>(&smem.task_of_stage[read_state.index()]);
-        linear = word & (kPaddingHalfFlag - 1);
-        padding_half = (word & kPaddingHalfFlag) != 0;
-        if (linear >= total) {  // no more tasks: the stage holds no bytes
-          pipeline.consumer_release(read_state);
-          ++read_state;
-          break;
-        }
-      } else if (linear >= total) {
+      // The producer's choice, in the stage of the task's first k-block (load_task).
+      pipeline.consumer_wait(read_state);
+      const int word = *reinterpret_cast<volatile int*>(&smem.task_of_stage[read_state.index()]);
+      const int linear = word & (kPaddingHalfFlag - 1);
+      const bool padding_half = (word & kPaddingHalfFlag) != 0;  // the second warpgroup's rows are all padding
+      if (linear >= total) {  // no more tasks: the stage holds no bytes
+        pipeline.consumer_release(read_state);
+        ++read_state;
         break;
       }
       if constexpr (Params::kWeightGradients) {
