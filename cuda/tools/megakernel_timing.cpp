@@ -2,6 +2,8 @@
 // own stream with SMs / R - 1 CTAs, as in the GPU tests), against the expert GEMMs alone on rank
 // 0's rows with the same CTA count (the overlap yardstick: the fused forward should cost little
 // more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
+// MOK_MK_TIMING_BACKWARD=1: the backward megakernel instead (after one training forward that keeps
+// its rows), in the same four variants, without the GEMMs' yardstick.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
 #include <cuda_runtime_api.h>
 
@@ -32,6 +34,32 @@ struct Shape {
   int64_t H, I, E, k, T, R, minibatch = 0, comm = 0;
 };
 
+// Four variants of a pass, round-robin 3 times each: claimed tasks or the static order
+// (claim_tasks), each with and without the padding halves' MMA (skip_padding_halves). The clocks
+// drift under the power cap, so one of each would compare moments. Prints and returns the
+// medians; the first variant is the default.
+template <class Call>
+std::vector<float> time_variants(Call call, bool& claim_tasks, bool& skip_padding_halves) {
+  const char* names[4] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA"};
+  std::vector<float> times[4];
+  for (int round = 0; round < 3; ++round) {
+    for (int v = 0; v < 4; ++v) {
+      claim_tasks = v < 2;
+      skip_padding_halves = v % 2 == 0;
+      times[v].push_back(time_ms(call, 10, /*warmup=*/2));
+    }
+  }
+  claim_tasks = true;
+  skip_padding_halves = true;
+  std::vector<float> medians;
+  for (int v = 0; v < 4; ++v) {
+    std::sort(times[v].begin(), times[v].end());
+    std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", names[v], times[v][0], times[v][1], times[v][2]);
+    medians.push_back(times[v][1]);
+  }
+  return medians;
+}
+
 void run(const Shape& s) {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -54,9 +82,16 @@ void run(const Shape& s) {
   if (s.comm > 0) o.comm_sms = int(s.comm);
   const mok::MoeConfig c = mok::plan(d, facts, o);
 
+  const char* backward_env = std::getenv("MOK_MK_TIMING_BACKWARD");
+  const bool backward = backward_env != nullptr && std::atoi(backward_env) != 0;
+  // The training forward keeps every row for the backward: its ring holds them all.
+  const int64_t all_rows = (cap + c.minibatch_rows - 1) / c.minibatch_rows * c.minibatch_rows;
+  const int64_t ring_rows = backward ? all_rows : c.ring_rows;
   struct RankData {
     void* base;
     uint16_t *wg, *wu, *wd, *y;
+    uint16_t *gu = nullptr, *dx = nullptr;  // the backward's
+    float *d_topk_w = nullptr, *dwg = nullptr, *dwu = nullptr, *dwd = nullptr;
     std::unique_ptr<mok::cuda::FusedBuffers> buffers;
     cudaStream_t stream;
   };
@@ -82,8 +117,16 @@ void run(const Shape& s) {
     fill_random(rd.wu, size_t(El * I * H), 30 + r, 0.02f);
     fill_random(rd.wd, size_t(El * H * I), 40 + r, 0.02f);
     rd.y = device<uint16_t>(T * H);
-    rd.buffers = std::make_unique<mok::cuda::FusedBuffers>(shape, H, I, c.minibatch_rows, c.ring_rows,
-                                                           /*keep_rows=*/false);
+    rd.buffers = std::make_unique<mok::cuda::FusedBuffers>(shape, H, I, c.minibatch_rows, ring_rows, backward);
+    if (backward) {
+      fill_random(mok::SymmetricLayout::at<uint16_t>(rd.base, layout.dy), size_t(T * H), 50 + r, 1.0f);
+      rd.gu = device<uint16_t>(cap * 2 * I);
+      rd.dx = device<uint16_t>(T * H);
+      rd.d_topk_w = device<float>(T * k);
+      rd.dwg = device<float>(El * I * H);
+      rd.dwu = device<float>(El * I * H);
+      rd.dwd = device<float>(El * H * I);
+    }
     CHECK_CUDA(cudaStreamCreateWithFlags(&rd.stream, cudaStreamNonBlocking));
   }
   mok::cuda::preload_kernels();  // before any rank's barrier spins
@@ -101,6 +144,7 @@ void run(const Shape& s) {
       a.w_down = rd.wd;
       rd.buffers->wire(a);
       a.y = rd.y;
+      a.gu = rd.gu;  // (null: inference)
       a.epoch = epoch;
       a.comm_ctas = c.comm_sms;
       a.num_sms = ctas;
@@ -111,26 +155,46 @@ void run(const Shape& s) {
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
-  // Four variants, round-robin 3 times each: claimed tasks or the static order
-  // (MoeForwardArgs::claim_tasks), each with and without the padding halves' MMA
-  // (skip_padding_halves). The clocks drift under the power cap, so one of each would compare
-  // moments. Medians; the first variant is the default.
-  const char* names[4] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA"};
-  std::vector<float> times[4];
-  for (int round = 0; round < 3; ++round) {
-    for (int v = 0; v < 4; ++v) {
-      claim_tasks = v < 2;
-      skip_padding_halves = v % 2 == 0;
-      times[v].push_back(time_ms(fused, 10, /*warmup=*/2));
-    }
+  if (backward) {
+    fused();  // the forward whose rows the backward calls read
+    auto fused_backward = [&]() {
+      ++epoch;
+      for (int r = 0; r < R; ++r) {
+        RankData& rd = ranks[r];
+        mok::cuda::MoeBackwardArgs b;
+        b.rank = r;
+        b.bases = bases.data();
+        b.w_gate = rd.wg;
+        b.w_up = rd.wu;
+        b.w_down = rd.wd;
+        rd.buffers->wire(b);
+        b.gu = rd.gu;
+        b.d_w_gate = rd.dwg;
+        b.d_w_up = rd.dwu;
+        b.d_w_down = rd.dwd;
+        b.dx = rd.dx;
+        b.d_topk_w = rd.d_topk_w;
+        b.epoch = epoch;
+        b.num_sms = ctas;
+        b.fused = true;
+        b.claim_tasks = claim_tasks;
+        b.skip_padding_halves = skip_padding_halves;
+        mok::cuda::moe_backward(b, rd.stream);
+      }
+      for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
+    };
+    const std::vector<float> t = time_variants(fused_backward, claim_tasks, skip_padding_halves);
+    int32_t words[mok::cuda::kFailureWords];
+    CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
+    const std::string status = mok::cuda::describe_wait_status(words);
+    std::printf("H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, minibatch %lld | backward "
+                "megakernel %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f)%s%s\n",
+                (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas,
+                (long long)c.minibatch_rows, t[0], t[1], t[2], status.empty() ? "" : " | ", status.c_str());
+    return;
   }
-  claim_tasks = true;
-  skip_padding_halves = true;
-  for (int v = 0; v < 4; ++v) {
-    std::sort(times[v].begin(), times[v].end());
-    std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", names[v], times[v][0], times[v][1], times[v][2]);
-  }
-  const float t_fused = times[0][1], t_every_mma = times[1][1], t_static = times[2][1];
+  const std::vector<float> t = time_variants(fused, claim_tasks, skip_padding_halves);
+  const float t_fused = t[0], t_every_mma = t[1], t_static = t[2];
   int32_t words[mok::cuda::kFailureWords];
   CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words);
