@@ -22,13 +22,26 @@
 
 namespace {
 
+std::vector<void*> allocations;  // of the running shape, freed after it (FreeAtEnd)
+
 template <class T>
 T* device(int64_t n) {
   void* p = nullptr;
   CHECK_CUDA(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
   CHECK_CUDA(cudaMemset(p, 0, std::max<int64_t>(n, 1) * sizeof(T)));
+  allocations.push_back(p);
   return static_cast<T*>(p);
 }
+
+// Declared first in run(), so it runs last: a shape's buffers go before the next shape's (the
+// backward's gradients of Kimi K2 at R = 1 did not fit beside the previous shapes').
+struct FreeAtEnd {
+  ~FreeAtEnd() {
+    CHECK_CUDA(cudaDeviceSynchronize());
+    for (void* p : allocations) CHECK_CUDA(cudaFree(p));
+    allocations.clear();
+  }
+};
 
 struct Shape {
   int64_t H, I, E, k, T, R, minibatch = 0, comm = 0;
@@ -61,6 +74,7 @@ std::vector<float> time_variants(Call call, bool& claim_tasks, bool& skip_paddin
 }
 
 void run(const Shape& s) {
+  const FreeAtEnd free_at_end;
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int R = int(s.R), ctas = R == 1 ? sms : sms / R - 1;
