@@ -3,7 +3,7 @@
 // 0's rows with the same CTA count (the overlap yardstick: the fused forward should cost little
 // more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
 // MOK_MK_TIMING_BACKWARD=1: the backward megakernel instead (after one training forward that keeps
-// its rows), in the same four variants, without the GEMMs' yardstick.
+// its rows), in the same four variants and against the backward's stage kernels.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
 #include <cuda_runtime_api.h>
 
@@ -47,25 +47,29 @@ struct Shape {
   int64_t H, I, E, k, T, R, minibatch = 0, comm = 0;
 };
 
-// Four variants of a pass, round-robin 3 times each: claimed tasks or the static order
-// (claim_tasks), each with and without the padding halves' MMA (skip_padding_halves). The clocks
-// drift under the power cap, so one of each would compare moments. Prints and returns the
-// medians; the first variant is the default.
+// Variants of a pass, round-robin 3 times each: claimed tasks or the static order (claim_tasks),
+// each with and without the padding halves' MMA (skip_padding_halves), and for the backward its
+// stage kernels (`stages`). The clocks drift under the power cap, so one of each would compare
+// moments. Prints and returns the medians; the first variant is the default.
 template <class Call>
-std::vector<float> time_variants(Call call, bool& claim_tasks, bool& skip_padding_halves) {
-  const char* names[4] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA"};
-  std::vector<float> times[4];
+std::vector<float> time_variants(Call call, bool& claim_tasks, bool& skip_padding_halves, bool* stages = nullptr) {
+  const char* names[5] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA",
+                          "stage kernels"};
+  const int variants = stages != nullptr ? 5 : 4;
+  std::vector<float> times[5];
   for (int round = 0; round < 3; ++round) {
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < variants; ++v) {
       claim_tasks = v < 2;
       skip_padding_halves = v % 2 == 0;
+      if (stages != nullptr) *stages = v == 4;
       times[v].push_back(time_ms(call, 10, /*warmup=*/2));
     }
   }
   claim_tasks = true;
   skip_padding_halves = true;
+  if (stages != nullptr) *stages = false;
   std::vector<float> medians;
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < variants; ++v) {
     std::sort(times[v].begin(), times[v].end());
     std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", names[v], times[v][0], times[v][1], times[v][2]);
     medians.push_back(times[v][1]);
@@ -171,6 +175,7 @@ void run(const Shape& s) {
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
   if (backward) {
     fused();  // the forward whose rows the backward calls read
+    bool stages = false;
     auto fused_backward = [&]() {
       ++epoch;
       for (int r = 0; r < R; ++r) {
@@ -190,21 +195,22 @@ void run(const Shape& s) {
         b.d_topk_w = rd.d_topk_w;
         b.epoch = epoch;
         b.num_sms = ctas;
-        b.fused = true;
+        b.fused = !stages;
         b.claim_tasks = claim_tasks;
         b.skip_padding_halves = skip_padding_halves;
         mok::cuda::moe_backward(b, rd.stream);
       }
       for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
     };
-    const std::vector<float> t = time_variants(fused_backward, claim_tasks, skip_padding_halves);
+    const std::vector<float> t = time_variants(fused_backward, claim_tasks, skip_padding_halves, &stages);
     int32_t words[mok::cuda::kFailureWords];
     CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
     const std::string status = mok::cuda::describe_wait_status(words);
     std::printf("H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, minibatch %lld | backward "
-                "megakernel %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f)%s%s\n",
+                "megakernel %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f) | stage kernels "
+                "%8.3f ms%s%s\n",
                 (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas,
-                (long long)c.minibatch_rows, t[0], t[1], t[2], status.empty() ? "" : " | ", status.c_str());
+                (long long)c.minibatch_rows, t[0], t[1], t[2], t[4], status.empty() ? "" : " | ", status.c_str());
     return;
   }
   const std::vector<float> t = time_variants(fused, claim_tasks, skip_padding_halves);
