@@ -150,25 +150,29 @@ void run(const Shape& s) {
   mok::cuda::preload_kernels();  // before any rank's barrier spins
   uint32_t epoch = 0;
   bool claim_tasks = true, skip_padding_halves = true;
+  // What both passes' arguments share (MoeForwardArgs and MoeBackwardArgs use the same names).
+  auto wire = [&](auto& a, int r) {
+    RankData& rd = ranks[r];
+    a.rank = r;
+    a.bases = bases.data();
+    a.w_gate = rd.wg;
+    a.w_up = rd.wu;
+    a.w_down = rd.wd;
+    rd.buffers->wire(a);
+    a.gu = rd.gu;  // (the forward's: null for inference)
+    a.epoch = epoch;
+    a.num_sms = ctas;
+    a.claim_tasks = claim_tasks;
+    a.skip_padding_halves = skip_padding_halves;
+  };
   auto fused = [&]() {
     ++epoch;
     for (int r = 0; r < R; ++r) {
-      RankData& rd = ranks[r];
       mok::cuda::MoeForwardArgs a;
-      a.rank = r;
-      a.bases = bases.data();
-      a.w_gate = rd.wg;
-      a.w_up = rd.wu;
-      a.w_down = rd.wd;
-      rd.buffers->wire(a);
-      a.y = rd.y;
-      a.gu = rd.gu;  // (null: inference)
-      a.epoch = epoch;
+      wire(a, r);
+      a.y = ranks[r].y;
       a.comm_ctas = c.comm_sms;
-      a.num_sms = ctas;
-      a.claim_tasks = claim_tasks;
-      a.skip_padding_halves = skip_padding_halves;
-      mok::cuda::moe_forward(a, rd.stream);
+      mok::cuda::moe_forward(a, ranks[r].stream);
     }
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
@@ -181,23 +185,13 @@ void run(const Shape& s) {
       for (int r = 0; r < R; ++r) {
         RankData& rd = ranks[r];
         mok::cuda::MoeBackwardArgs b;
-        b.rank = r;
-        b.bases = bases.data();
-        b.w_gate = rd.wg;
-        b.w_up = rd.wu;
-        b.w_down = rd.wd;
-        rd.buffers->wire(b);
-        b.gu = rd.gu;
+        wire(b, r);
         b.d_w_gate = rd.dwg;
         b.d_w_up = rd.dwu;
         b.d_w_down = rd.dwd;
         b.dx = rd.dx;
         b.d_topk_w = rd.d_topk_w;
-        b.epoch = epoch;
-        b.num_sms = ctas;
         b.fused = !stages;
-        b.claim_tasks = claim_tasks;
-        b.skip_padding_halves = skip_padding_halves;
         mok::cuda::moe_backward(b, rd.stream);
       }
       for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
