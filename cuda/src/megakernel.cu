@@ -623,7 +623,7 @@ std::string can_implement(const MoeBackwardArgs& a) {
       why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
     if (a.counters == nullptr) why << "counters must be set (the fused backward's); ";
     const int64_t H = a.hidden, I = a.intermediate;
-    if (a.row_capacity > 0 && H > 0 && I > 0) {  // (the others are refused by common_checks)
+    if (a.row_capacity > 0 && H > 0 && I > 0) {  // (other sizes: moe_backward's expert kernel checks refuse them)
       const auto tiles = [](int64_t rows, int64_t cols) {
         return ceil_div(rows, int64_t{GemmConfig::kBlockM}) * ceil_div(cols, int64_t{GemmConfig::kBlockN});
       };

@@ -161,7 +161,7 @@ struct MoeBackwardArgs {
   double timeout_s = 10.0;
   int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
   bool claim_tasks = true;          // as MoeForwardArgs's, for the backward megakernel's tasks
-  bool skip_padding_halves = true;  // as MoeForwardArgs's: the dh and dx tiles
+  bool skip_padding_halves = true;  // as MoeForwardArgs's: the backward megakernel's dh and dx tiles
   // true: the backward megakernel (needs minibatch_rows and counters: FusedBuffers::wire sets
   // them); false: the stage kernels. The C API and mok.moe take the planner's choice.
   bool fused = false;
