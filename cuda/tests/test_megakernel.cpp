@@ -530,6 +530,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// The backward's outputs of two runs, bit for bit: dx and d topk_w of every rank, then the weight
+// gradients; `label` starts each message.
+void expect_same_gradients(const Outputs& want, const Outputs& got, int ranks, const std::string& label) {
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(first_bit_difference(want.dx[r], got.dx[r]), -1) << label << ": dx rank " << r;
+    EXPECT_EQ(first_bit_difference(want.d_topk_w[r], got.d_topk_w[r]), -1) << label << ": d topk_w rank " << r;
+  }
+  EXPECT_EQ(first_bit_difference(want.dwg, got.dwg), -1) << label << ": dW_gate";
+  EXPECT_EQ(first_bit_difference(want.dwu, got.dwu), -1) << label << ": dW_up";
+  EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << label << ": dW_down";
+}
+
 // Segments ending at most 64 rows into their last 128-row block (balanced routing at 160 rows per
 // expert: every expert's last block; uniform routing: some): both passes' second warpgroup skips
 // those blocks' MMA (reduce_padding_half). y, g|u and the backward's outputs are the same bits as
@@ -557,12 +569,8 @@ TEST(MegakernelPadding, SkippedHalvesKeepEveryBit) {
       EXPECT_TRUE(y.within(kBf16RelTolerance)) << y.describe(std::string(c.name) + " y rank " + std::to_string(r));
       EXPECT_EQ(first_bit_difference(skipped.y[r], full.y[r]), -1) << c.name << " y rank " << r;
       EXPECT_EQ(first_bit_difference(skipped.gu[r], full.gu[r]), -1) << c.name << " g|u rank " << r;
-      EXPECT_EQ(first_bit_difference(skipped.dx[r], full.dx[r]), -1) << c.name << " dx rank " << r;
-      EXPECT_EQ(first_bit_difference(skipped.d_topk_w[r], full.d_topk_w[r]), -1) << c.name << " d topk_w rank " << r;
     }
-    EXPECT_EQ(first_bit_difference(skipped.dwg, full.dwg), -1) << c.name << " dW_gate";
-    EXPECT_EQ(first_bit_difference(skipped.dwu, full.dwu), -1) << c.name << " dW_up";
-    EXPECT_EQ(first_bit_difference(skipped.dwd, full.dwd), -1) << c.name << " dW_down";
+    expect_same_gradients(full, skipped, c.desc.ranks, c.name);
     std::printf("[ %s ] %d row blocks with a padding half\n", c.name, halves);
     EXPECT_GT(halves, 0) << c.name << ": the case has no padding half to skip";
   }
@@ -600,14 +608,7 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
     std::printf("[ %s backward ] rel error %s %.2e\n", c.name, name, cmp.rel_error);
   }
   // A fresh set of buffers, one run: the same bits.
-  const Outputs b = run_forward(in, cfg, 1);
-  for (int r = 0; r < c.desc.ranks; ++r) {
-    EXPECT_EQ(first_bit_difference(a.dx[r], b.dx[r]), -1) << "dx rank " << r;
-    EXPECT_EQ(first_bit_difference(a.d_topk_w[r], b.d_topk_w[r]), -1) << "d topk_w rank " << r;
-  }
-  EXPECT_EQ(first_bit_difference(a.dwg, b.dwg), -1) << "dW_gate";
-  EXPECT_EQ(first_bit_difference(a.dwu, b.dwu), -1) << "dW_up";
-  EXPECT_EQ(first_bit_difference(a.dwd, b.dwd), -1) << "dW_down";
+  expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
   // The stage kernels, the backward megakernel with other minibatches (one in the static task
   // order with every MMA), and both replaying the rows of a forward that kept only its schedule
   // (its ring two minibatches): the same bits.
@@ -626,13 +627,9 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
                             (replay ? ", replay" : "") + (fixed ? ", static order, every MMA)" : ")");
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(o.errors[r], "") << "rank " << r << how;
-      EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << "dx rank " << r << how;
-      EXPECT_EQ(first_bit_difference(a.d_topk_w[r], o.d_topk_w[r]), -1) << "d topk_w rank " << r << how;
       if (replay) EXPECT_EQ(first_bit_difference(a.gu[r], o.gu[r]), -1) << "replayed g|u rank " << r << how;
     }
-    EXPECT_EQ(first_bit_difference(a.dwg, o.dwg), -1) << "dW_gate" << how;
-    EXPECT_EQ(first_bit_difference(a.dwu, o.dwu), -1) << "dW_up" << how;
-    EXPECT_EQ(first_bit_difference(a.dwd, o.dwd), -1) << "dW_down" << how;
+    expect_same_gradients(a, o, c.desc.ranks, how);
   }
   // bf16 weight gradients: the fp32 ones rounded to nearest even, bit for bit; dx and d topk_w as before.
   cfg.bf16_grads = true;
@@ -735,13 +732,8 @@ TEST(MegakernelPeers, EveryGpuCountMatchesTheReferenceAndOneGpuBitwise) {
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(o.errors[r], "") << where << ", " << how << ", rank " << r;
         EXPECT_EQ(first_bit_difference(a.y[r], o.y[r]), -1) << where << ", " << how << ": y rank " << r;
-        EXPECT_EQ(first_bit_difference(a.dx[r], o.dx[r]), -1) << where << ", " << how << ": dx rank " << r;
-        EXPECT_EQ(first_bit_difference(a.d_topk_w[r], o.d_topk_w[r]), -1)
-            << where << ", " << how << ": d topk_w rank " << r;
       }
-      EXPECT_EQ(first_bit_difference(a.dwg, o.dwg), -1) << where << ", " << how << ": dW_gate";
-      EXPECT_EQ(first_bit_difference(a.dwu, o.dwu), -1) << where << ", " << how << ": dW_up";
-      EXPECT_EQ(first_bit_difference(a.dwd, o.dwd), -1) << where << ", " << how << ": dW_down";
+      expect_same_gradients(a, o, R, where + ", " + how);
     }
   }
 }
@@ -850,12 +842,8 @@ void expect_training_replays_bitwise(const MoeDesc& d, RunConfig cfg) {
     ASSERT_EQ(got.errors[r], "") << "graphs, rank " << r;
     EXPECT_EQ(got.epochs[r], 6u) << "rank " << r << ": 3 replays of a forward and a backward";
     EXPECT_EQ(first_bit_difference(want.y[r], got.y[r]), -1) << "y rank " << r;
-    EXPECT_EQ(first_bit_difference(want.dx[r], got.dx[r]), -1) << "dx rank " << r;
-    EXPECT_EQ(first_bit_difference(want.d_topk_w[r], got.d_topk_w[r]), -1) << "d topk_w rank " << r;
   }
-  EXPECT_EQ(first_bit_difference(want.dwg, got.dwg), -1) << "dW_gate";
-  EXPECT_EQ(first_bit_difference(want.dwu, got.dwu), -1) << "dW_up";
-  EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << "dW_down";
+  expect_same_gradients(want, got, int(d.ranks), "graph replays");
 }
 
 TEST(MegakernelGraphs, TrainingReplaysMatchTheCallsBitwise) {
