@@ -240,8 +240,8 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.h_ready = a.counters + counters.h_ready();
   p.done_ctas = a.counters + counters.done_ctas();
   p.task_claims = a.counters + counters.task_claims();
-  p.claim_tasks = 0;          // each pass sets its own (MoeForwardArgs::claim_tasks, MoeBackwardArgs's)
-  p.skip_padding_halves = 0;  // and this one
+  p.claim_tasks = a.claim_tasks ? 1 : 0;
+  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
   p.experiment_skips = experiment_skips();
@@ -531,8 +531,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
       host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
   wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
-  p.claim_tasks = a.claim_tasks ? 1 : 0;
-  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.n_first = ceil_div(I, GemmConfig::kHalfN);
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
@@ -587,8 +585,6 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
   p.wd_n = ceil_div(I, GemmConfig::kBlockN);
   // One ring slot per minibatch: every row is kept. Comm warps pull (no comm CTAs).
   wire_pass(p, a, a.dy_rows, counters.minibatches * M, /*comm=*/0, l.dy, l.dx_slots, l.dx_arrived(me));
-  p.claim_tasks = a.claim_tasks ? 1 : 0;
-  p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.n_first = int(dw_partial_blocks(I));
   p.n_second = ceil_div(H, GemmConfig::kBlockN);
   p.k_first = ceil_div(H, Mainloop::kBlockK);
