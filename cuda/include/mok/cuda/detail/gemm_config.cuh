@@ -1,14 +1,9 @@
 // The tile shape and pipeline every expert GEMM shares: 128 x 256 output tiles (two consumer
-// warpgroups of 64 rows), kStages shared-memory stages, persistent CTAs of 384 threads. What
-// depends on the operands' element type (the precision) is in OperandConfig: a stage holds
-// kKBlockBytes of K per operand row (128: one 128-byte swizzle row, 64 bf16 or 128 fp8 values, in
-// 4 stages; 64: half of that in 8 stages, with the 64-byte swizzle for K-major operands), so the
-// stages take the same bytes at every precision and either width, and the wgmma atom.
-// MOK_KBLOCK_BYTES selects the width at compile time (the A/B of session 17: the same 192 KiB of
-// stages, but a stage is freed after half the MMA, so more of them are loading at any time).
+// warpgroups of 64 rows), 4 shared-memory stages, persistent CTAs of 384 threads. What depends on
+// the operands' element type (the precision) is in OperandConfig: a stage holds one 128-byte
+// swizzle row of K per operand row (64 bf16 or 128 fp8 values), so the stages take the same bytes
+// at every precision, and the wgmma atom.
 #pragma once
-
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -17,17 +12,11 @@ namespace mok::cuda::detail {
 
 using namespace cute;
 
-#ifndef MOK_KBLOCK_BYTES
-#define MOK_KBLOCK_BYTES 128
-#endif
-static_assert(MOK_KBLOCK_BYTES == 128 || MOK_KBLOCK_BYTES == 64, "MOK_KBLOCK_BYTES must be 128 or 64");
-
 struct GemmConfig {
-  static constexpr int kKBlockBytes = MOK_KBLOCK_BYTES;  // bytes of K per operand row in a stage
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kHalfN = 128;
-  static constexpr int kStages = 4 * 128 / kKBlockBytes;
+  static constexpr int kStages = 4;
   static constexpr int kMaxExperts = 512;  // per launch (rank); what fits beside 4 stages and 2 staging tiles
   static constexpr int kThreads = 384;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -50,25 +39,20 @@ struct MmaAtomOf<float_e4m3_t, kMajorA, kMajorB> {
 template <class Element_>
 struct OperandConfig {
   using Element = Element_;
-  static constexpr int kBlockK = GemmConfig::kKBlockBytes / int(sizeof(Element));  // k values of a stage's row
+  static constexpr int kBlockK = 128 / int(sizeof(Element));  // k values of one 128-byte swizzle row
   static constexpr int kStageElemsA = GemmConfig::kBlockM * kBlockK;
   static constexpr int kStageElemsB = GemmConfig::kBlockN * kBlockK;
   static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
 };
 
-// The K-major swizzle atom whose rows are one stage's K: 128 or 64 bytes (GemmConfig::kKBlockBytes).
-template <class Element>
-using KMajorAtom = std::conditional_t<GemmConfig::kKBlockBytes == 128, GMMA::Layout_K_SW128_Atom<Element>,
-                                      GMMA::Layout_K_SW64_Atom<Element>>;
-
-// Shared-memory layouts of one operand's stages, (rows of the operand tile, BLOCK_K, STAGES);
-// K-major (K contiguous, KMajorAtom) or MN-major (rows contiguous, the 128-byte swizzle along the
-// rows at either K width). MN-major atoms (64 rows x 8 k) are stacked along K first, so one TMA
-// box covers 64 rows x BLOCK_K instead of 64 x 8 (CUTLASS orders its MN-major stages the same way).
+// Shared-memory layouts of one operand's stages, (rows of the operand tile, BLOCK_K, STAGES),
+// with the 128-byte swizzle; K-major (K contiguous) or MN-major (rows contiguous). MN-major atoms
+// (64 rows x 8 k) are stacked along K first, so one TMA box covers 64 rows x BLOCK_K instead of
+// 64 x 8 (CUTLASS orders its MN-major stages the same way).
 template <class Element, GMMA::Major kMajor, int kRows>
 struct OperandSmemLayoutOf {
   using Shape_ = Shape<Int<kRows>, Int<OperandConfig<Element>::kBlockK>, Int<GemmConfig::kStages>>;
-  using type = decltype(tile_to_shape(KMajorAtom<Element>{}, Shape_{}));
+  using type = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape_{}));
 };
 template <class Element, int kRows>
 struct OperandSmemLayoutOf<Element, GMMA::Major::MN, kRows> {

@@ -27,7 +27,7 @@ using namespace cute;
 template <class Element, int kRowsA = GemmConfig::kBlockM>
 using ForwardSmemLayoutA = OperandSmemLayout<Element, GMMA::Major::K, kRowsA>;
 template <class Element>
-using ForwardSmemLayoutBHalves = decltype(tile_to_shape(KMajorAtom<Element>{},
+using ForwardSmemLayoutBHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                         Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>,
                                                               Int<2 * GemmConfig::kStages>>{}));
 template <class Element, int kRowsA = GemmConfig::kBlockM>
