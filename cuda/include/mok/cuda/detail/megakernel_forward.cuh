@@ -682,6 +682,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
             continue;
           }
         }
+        // Both GEMMs' A rows are the schedule's rows of the block (forward: the pulled rows, then
+        // their h; backward: the pulled dy, then dg|du): a segment's token rows come first and its
+        // padding rows (zeros) last, and every 128-row block starts with a token row, so only the
+        // second warpgroup's half can be all padding. The flag goes with the id. (The schedule was
+        // written before the launch, so this load is issued before the counter's wait: its latency
+        // then overlaps the wait's instead of following it on every task.)
+        const bool padding_half = p.skip_padding_halves &&
+                                  p.src_rank[task.row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
         if (MOK_SKIPS(p, kSkipWaits)) {
         } else if (task.second) {
           wait_at_least<false>(&p.h_ready[task.row_block], uint32_t(p.n_first), p.status, Params::kWaitSecond,
@@ -691,12 +699,6 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
                                task.minibatch);
         }
         fence_proxy_async();  // the rows the counter announced are read by TMA
-        // Both GEMMs' A rows are the schedule's rows of the block (forward: the pulled rows, then
-        // their h; backward: the pulled dy, then dg|du): a segment's token rows come first and its
-        // padding rows (zeros) last, and every 128-row block starts with a token row, so only the
-        // second warpgroup's half can be all padding. The flag goes with the id.
-        const bool padding_half = p.skip_padding_halves &&
-                                  p.src_rank[task.row_block * GemmConfig::kBlockM + GemmConfig::kBlockM / 2] < 0;
         load_task<Mainloop>(task.second ? p.second_load : p.first_load, smem, task.tile,
                             linear | (padding_half ? kPaddingHalfFlag : 0), pipeline, state);
       }
