@@ -163,16 +163,15 @@ __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, con
 // C7515) and leaves the other stages to the other warpgroup, which has the tensor cores to itself
 // and releases them for both (reduce_k_blocks' for_padding_half). This one neither waits for nor
 // polls them: the epilogue's barrier of both warpgroups keeps it from the next tile's stages
-// until the other is done with these. (The zeros' signs are not specified.)
+// until the other is done with these. (The zeros' signs are not specified.) The tile has at least
+// one k-block (k_end > k_begin), as for reduce_k_blocks.
 template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
 __device__ __forceinline__ void reduce_padding_half(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                     Pipeline& pipeline, State& read_state, State& release_state,
                                                     int k_begin, int k_end) {
   reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, k_begin, k_begin + 1);
-  for (int kb = k_begin + 1; kb < k_end; ++kb) {
-    ++read_state;
-    ++release_state;
-  }
+  read_state += uint32_t(k_end - k_begin - 1);  // the stages the other warpgroup reads and releases
+  release_state += uint32_t(k_end - k_begin - 1);
 }
 
 template <class Mainloop, class Epilogue>
