@@ -82,7 +82,7 @@ struct MoeForwardArgs {
   int num_sms = 0;           // CTAs of the megakernel (0 = all SMs)
   // How the compute CTAs take their tasks: true (the default), each claims the next unclaimed
   // task from a counter when its producer is free; false, CTA c takes tasks c, c + CTAs, ...
-  // The same bits either way (detail::next_task).
+  // The same bits either way (detail::take_task).
   bool claim_tasks = true;
   // A tile whose second 64 rows are all padding (a segment's last row block, where the segment
   // ends at most 64 rows into it): that half gets no MMA. Its outputs are not stored either way,

@@ -150,7 +150,7 @@ struct MegaPassParams {
   uint32_t* h_ready;                 // [row_capacity / 128]
   uint32_t* done_ctas;               // [1]
   uint32_t* task_claims;             // [1]: the next task to claim (claim_tasks)
-  int32_t claim_tasks;               // 1: compute CTAs claim tasks from task_claims; 0: c + j ctas (next_task)
+  int32_t claim_tasks;               // 1: compute CTAs claim tasks from task_claims; 0: c + j ctas (take_task)
   WaitStatus status;                 // with the call's epoch, which the arrival words are set to
   const uint4* x[kMaxRanks];               // [T, H] on each rank: what is pulled (x, or dy)
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
@@ -302,9 +302,11 @@ struct MegaTasks {
 // The id's word also says whether the tile's second 64 rows are all padding (kPaddingHalfFlag:
 // MegaPassParams::skip_padding_halves), which the consumers have no register to spare to find.
 constexpr int kPaddingHalfFlag = 1 << 30;
+// The task a producer takes next: the counter's next (claim_tasks), else `in_order`, the next of
+// its CTA's own sequence.
 template <class Params>
-__device__ __forceinline__ int next_task(const Params& p, int linear, int ctas) {
-  return p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : linear + ctas;
+__device__ __forceinline__ int take_task(const Params& p, int in_order) {
+  return p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : in_order;
 }
 template <class State, class Storage>
 __device__ __forceinline__ void announce_task(const State& state, Storage& smem, int word) {
@@ -673,8 +675,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const int total = tasks.total();
       [[maybe_unused]] int ready_expert = -1;  // weight gradients: the last expert whose rows were seen done
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      int linear = p.claim_tasks ? int(atomicAdd(p.task_claims, 1u)) : cta;
-      for (; linear < total; linear = next_task(p, linear, ctas)) {
+      for (int linear = take_task(p, cta); linear < total; linear = take_task(p, linear + ctas)) {
         const MegaTask task = tasks.at(linear);
         if constexpr (Params::kWeightGradients) {
           if (task.wgrad != 0) {
