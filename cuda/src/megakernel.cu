@@ -396,6 +396,27 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows) {
 }
 
 namespace {
+// A pass's tiles, as its launcher sets them (MegaPassParams, MegaBackwardParams) and can_implement
+// counts them: per row block, the column tiles of its two GEMMs; the backward's weight gradients
+// per expert, W_gate's and W_up's wg_m x wg_n tiles each and W_down's wd_m x wd_n (MegaTasks).
+struct PassTiles {
+  int64_t n_first, n_second;
+  int64_t wg_m = 0, wg_n = 0, wd_m = 0, wd_n = 0;
+  int64_t total(int64_t row_capacity, int64_t experts) const {
+    return ceil_div(row_capacity, int64_t{GemmConfig::kBlockM}) * (n_first + n_second) +
+           experts * (2 * wg_m * wg_n + wd_m * wd_n);
+  }
+};
+// Gate|up (128 gate and 128 up columns a tile), then down.
+PassTiles forward_tiles(int64_t H, int64_t I) {
+  return {ceil_div(I, int64_t{GemmConfig::kHalfN}), ceil_div(H, int64_t{GemmConfig::kBlockN})};
+}
+// dh with the SwiGLU backward (one tile per d topk_w partial block), dx, then the weight gradients.
+PassTiles backward_tiles(int64_t H, int64_t I) {
+  const int64_t m = GemmConfig::kBlockM, n = GemmConfig::kBlockN;
+  return {dw_partial_blocks(I), ceil_div(H, n), ceil_div(I, m), ceil_div(H, n), ceil_div(H, m), ceil_div(I, n)};
+}
+
 // A megakernel task's id shares its word with a flag (detail::kPaddingHalfFlag).
 std::string tile_limit(const char* pass, int64_t tasks) {
   if (tasks < detail::kPaddingHalfFlag) return "";
@@ -426,11 +447,8 @@ std::string can_implement(const MoeForwardArgs& a) {
     why << "ring_rows must be a positive multiple of minibatch_rows (" << a.minibatch_rows << "), got " << a.ring_rows
         << "; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0) {
-    const int64_t columns = ceil_div(a.intermediate, int64_t{GemmConfig::kHalfN}) +
-                            ceil_div(a.hidden, int64_t{GemmConfig::kBlockN});
-    why << tile_limit("forward", ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) * columns);
-  }
+  if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0)
+    why << tile_limit("forward", forward_tiles(a.hidden, a.intermediate).total(a.row_capacity, 0));
   return host_util::trimmed(why.str());
 }
 
@@ -531,8 +549,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
       host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
       a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
   wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
-  p.n_first = ceil_div(I, GemmConfig::kHalfN);
-  p.n_second = ceil_div(H, GemmConfig::kBlockN);
+  const PassTiles tiles = forward_tiles(H, I);
+  p.n_first = int(tiles.n_first);
+  p.n_second = int(tiles.n_second);
   p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   // A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
@@ -579,14 +598,15 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
     p.wgrad_bf16[g] = host_util::bf16_planes_target(outs[g], out_rows[g], out_cols[g], El);
     p.wgrad_f32[g] = host_util::f32_planes_target(outs[g], out_rows[g], out_cols[g], El);
   }
-  p.wg_m = ceil_div(I, GemmConfig::kBlockM);
-  p.wg_n = ceil_div(H, GemmConfig::kBlockN);
-  p.wd_m = ceil_div(H, GemmConfig::kBlockM);
-  p.wd_n = ceil_div(I, GemmConfig::kBlockN);
+  const PassTiles tiles = backward_tiles(H, I);
+  p.wg_m = int(tiles.wg_m);
+  p.wg_n = int(tiles.wg_n);
+  p.wd_m = int(tiles.wd_m);
+  p.wd_n = int(tiles.wd_n);
   // One ring slot per minibatch: every row is kept. Comm warps pull (no comm CTAs).
   wire_pass(p, a, a.dy_rows, counters.minibatches * M, /*comm=*/0, l.dy, l.dx_slots, l.dx_arrived(me));
-  p.n_first = int(dw_partial_blocks(I));
-  p.n_second = ceil_div(H, GemmConfig::kBlockN);
+  p.n_first = int(tiles.n_first);
+  p.n_second = int(tiles.n_second);
   p.k_first = ceil_div(H, Mainloop::kBlockK);
   p.k_second = 2 * ceil_div(I, Mainloop::kBlockK);
   p.row_weight = a.row_weight;
@@ -618,15 +638,10 @@ std::string can_implement(const MoeBackwardArgs& a) {
     if (a.minibatch_rows < GemmConfig::kBlockM || a.minibatch_rows % GemmConfig::kBlockM != 0)
       why << "minibatch_rows must be a positive multiple of 128, got " << a.minibatch_rows << "; ";
     if (a.counters == nullptr) why << "counters must be set (the fused backward's); ";
-    const int64_t H = a.hidden, I = a.intermediate;
-    if (a.row_capacity > 0 && H > 0 && I > 0) {  // (other sizes: moe_backward's expert kernel checks refuse them)
-      const auto tiles = [](int64_t rows, int64_t cols) {
-        return ceil_div(rows, int64_t{GemmConfig::kBlockM}) * ceil_div(cols, int64_t{GemmConfig::kBlockN});
-      };
-      const int64_t dgrad = ceil_div(a.row_capacity, int64_t{GemmConfig::kBlockM}) *
-                            (dw_partial_blocks(I) + ceil_div(H, int64_t{GemmConfig::kBlockN}));
-      why << tile_limit("fused backward", dgrad + a.shape.local_experts() * (2 * tiles(I, H) + tiles(H, I)));
-    }
+    // (Other sizes: moe_backward's expert kernel checks refuse them.)
+    if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0)
+      why << tile_limit("fused backward", backward_tiles(a.hidden, a.intermediate)
+                                              .total(a.row_capacity, a.shape.local_experts()));
   }
   return host_util::trimmed(why.str());
 }
