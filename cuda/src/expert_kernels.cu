@@ -3,7 +3,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -50,35 +49,7 @@ void launch(const detail::GroupedGemmParams<Mainloop, Epilogue>& params, int num
     }
   }();
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
-  constexpr int kCluster = detail::kClusterOf<Mainloop>;
-  if constexpr (kCluster == 1) {
-    kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(params);
-  } else {
-    // Whole clusters, no more than fit at once (a cluster's CTAs share a GPC; the launcher only
-    // clusters where at least one fits, clusters_fit).
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kCluster;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(device_sms(num_sms) / kCluster * kCluster);
-    config.blockDim = dim3(GemmConfig::kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    static const int resident = [&, fn = kernel] {
-      int clusters = 0;
-      check(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "count the resident clusters");
-      return clusters;
-    }();
-    config.gridDim.x = std::min<unsigned>(config.gridDim.x, unsigned(resident * kCluster));
-    if (config.gridDim.x < unsigned(kCluster))
-      throw std::runtime_error("mok cuda: launch grouped GEMM: no cluster of " + std::to_string(kCluster) +
-                               " CTAs fits on the device");
-    check(cudaLaunchKernelEx(&config, kernel, params), "launch grouped GEMM (clusters)");
-  }
+  kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(params);
   check(cudaGetLastError(), "launch grouped GEMM");
 }
 
@@ -103,9 +74,6 @@ enum class Schedule { cooperative, pingpong };
 // loading both operands.
 std::string schedule_problem() {
   std::string why;
-  const char* c = std::getenv("MOK_FORWARD_CLUSTER");
-  if (!(c == nullptr || *c == '\0' || std::strcmp(c, "1") == 0 || std::strcmp(c, "2") == 0))
-    why += std::string("MOK_FORWARD_CLUSTER must be 1 or 2, got '") + c + "'; ";
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
   if (!(v == nullptr || *v == '\0' || std::strcmp(v, "pingpong") == 0 || std::strcmp(v, "cooperative") == 0))
     why += std::string("MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got '") + v + "'; ";
@@ -129,19 +97,6 @@ bool pingpong(Schedule preferred) {
   const char* v = std::getenv("MOK_EXPERT_SCHEDULE");
   if (v == nullptr || *v == '\0') return preferred == Schedule::pingpong;
   return std::strcmp(v, "pingpong") == 0;
-}
-
-// The forward's cooperative launches (gate|up, down) in clusters of two CTAs sharing each row
-// block's A k-blocks (ForwardMainloopOf's kCluster), where the column blocks pair up (an even
-// count) and at least two CTAs run. MOK_FORWARD_CLUSTER=1 or 2 forces one (read at each call; the
-// timing tools' A/B switch); the default is kForwardCluster.
-constexpr int kForwardCluster = 2;
-int forward_cluster(int n_blocks, int num_sms) {
-  if (const std::string why = schedule_problem(); !why.empty())
-    throw std::invalid_argument("mok cuda: " + host_util::trimmed(why));
-  const char* c = std::getenv("MOK_FORWARD_CLUSTER");
-  const int wanted = c != nullptr && *c != '\0' ? std::atoi(c) : kForwardCluster;
-  return wanted == 2 && n_blocks % 2 == 0 && device_sms(num_sms) >= 2 ? 2 : 1;
 }
 
 template <class Mainloop, class Epilogue>
@@ -216,9 +171,9 @@ void require(const Args& a) {
 }  // namespace
 
 namespace {
-template <int kRows, int kCluster = 1>
+template <int kRows>
 void gate_up_swiglu_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
-  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows, kCluster>;
+  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows>;
   using Epilogue = detail::SwiGluEpilogueOf<kRows>;
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   const typename Mainloop::Params m{Mainloop::make_a(bf(a.x), int(R), int(H)),
@@ -235,9 +190,9 @@ void gate_up_swiglu_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
          a.num_sms, stream);
 }
 
-template <int kRows, int kCluster = 1>
+template <int kRows>
 void down_projection_rows(const ExpertsForwardArgs& a, cudaStream_t stream) {
-  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows, kCluster>;
+  using Mainloop = detail::ForwardMainloopOf<detail::bfloat16_t, kRows>;
   using Epilogue = detail::StoreEpilogueOf<kRows>;
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   const typename Mainloop::Params m{Mainloop::make_a(bf(a.h), int(R), int(I)),
@@ -256,8 +211,6 @@ void gate_up_swiglu(const ExpertsForwardArgs& a, cudaStream_t stream) {
   if (a.row_capacity == 0) return;
   if (pingpong(Schedule::cooperative)) {
     gate_up_swiglu_rows<detail::kPingPongRows>(a, stream);
-  } else if (forward_cluster(ceil_div(a.intermediate, GemmConfig::kHalfN), a.num_sms) == 2) {
-    gate_up_swiglu_rows<GemmConfig::kBlockM, 2>(a, stream);
   } else {
     gate_up_swiglu_rows<GemmConfig::kBlockM>(a, stream);
   }
@@ -268,8 +221,6 @@ void down_projection(const ExpertsForwardArgs& a, cudaStream_t stream) {
   if (a.row_capacity == 0) return;
   if (pingpong(Schedule::cooperative)) {
     down_projection_rows<detail::kPingPongRows>(a, stream);
-  } else if (forward_cluster(ceil_div(a.hidden, GemmConfig::kBlockN), a.num_sms) == 2) {
-    down_projection_rows<GemmConfig::kBlockM, 2>(a, stream);
   } else {
     down_projection_rows<GemmConfig::kBlockM>(a, stream);
   }
@@ -401,9 +352,6 @@ void preload_expert_kernels() {
   const char* what = "load the expert kernels";
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::SwiGluEpilogue>), what);
   check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<detail::ForwardMainloop, detail::StoreEpilogue>), what);
-  using ClusterMainloop = detail::ForwardMainloopOf<detail::bfloat16_t, GemmConfig::kBlockM, 2>;
-  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<ClusterMainloop, detail::SwiGluEpilogue>), what);
-  check(cudaFuncGetAttributes(&attr, detail::grouped_gemm_kernel<ClusterMainloop, detail::StoreEpilogue>), what);
   using PingPongMainloop = detail::ForwardMainloopOf<detail::bfloat16_t, detail::kPingPongRows>;
   check(cudaFuncGetAttributes(
             &attr, detail::pingpong_gemm_kernel<PingPongMainloop, detail::SwiGluEpilogueOf<detail::kPingPongRows>>),

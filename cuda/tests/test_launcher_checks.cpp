@@ -65,8 +65,7 @@ TEST(MegakernelChecks, CallsOfTwoToThe30TilesAreRefusedByName) {
 }
 
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
-// cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows,
-// MOK_FORWARD_CLUSTER (the forward launches' CTAs sharing A) 1 or 2;
+// cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows;
 // anything else is refused by name, by can_implement and before a kernel is launched (the
 // arguments point at host memory: a launch would fail with a CUDA error instead).
 TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
@@ -107,8 +106,7 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   for (const Bad& bad :
        {Bad{"MOK_EXPERT_SCHEDULE", "pingpong2",
             "MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"},
-        Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"},
-        Bad{"MOK_FORWARD_CLUSTER", "4", "MOK_FORWARD_CLUSTER must be 1 or 2, got '4'"}}) {
+        Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"}}) {
     ASSERT_EQ(setenv(bad.variable, bad.value, 1), 0);
     const std::string forward = refused([&] { experts_forward(f, nullptr); });
     const std::string backward = refused([&] { experts_backward(b, nullptr); });

@@ -54,28 +54,10 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   a.status = status;
   const int iters = 20;
   const double f_gate_up = 2.0 * M * 2 * I * H, f_down = 2.0 * M * H * I;
-  // The forward's launches in clusters of 1 and 2 CTAs (MOK_FORWARD_CLUSTER), in rounds that
-  // alternate which runs first; the last variant's launches are the ones printed below.
-  float t_gu = 0, t_gu_nosave = 0, t_down = 0;
-  const char* clusters[] = {"1", "2"};
-  float cl_gu[2] = {}, cl_down[2] = {};
-  const int rounds = 3;
-  for (int r = 0; r < 2 * rounds; ++r) {
-    const int v = (r + r / 2) % 2;
-    setenv("MOK_FORWARD_CLUSTER", clusters[v], 1);
-    a.gu = gu;
-    cl_gu[v] += time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters) / rounds;
-    cl_down[v] += time_ms([&] { mok::cuda::down_projection(a, nullptr); }, iters) / rounds;
-  }
-  unsetenv("MOK_FORWARD_CLUSTER");
-  std::printf("    forward clusters (%d rounds): 1 CTA gate_up %7.3f ms down %7.3f ms | 2 CTAs gate_up %7.3f ms "
-              "(%.3fx) down %7.3f ms (%.3fx)\n",
-              rounds, cl_gu[0], cl_down[0], cl_gu[1], cl_gu[0] / cl_gu[1], cl_down[1], cl_down[0] / cl_down[1]);
-  a.gu = gu;
-  t_gu = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
+  const float t_gu = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
   a.gu = nullptr;
-  t_gu_nosave = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
-  t_down = time_ms([&] { mok::cuda::down_projection(a, nullptr); }, iters);
+  const float t_gu_nosave = time_ms([&] { mok::cuda::gate_up_swiglu(a, nullptr); }, iters);
+  const float t_down = time_ms([&] { mok::cuda::down_projection(a, nullptr); }, iters);
   // cuBLAS on the dense GEMMs of the same total shape: C[M, N] = A[M, K] B[N, K]^T (row-major).
   const float one = 1.0f, zero = 0.0f;
   auto dense = [&](const void* A, const void* B, void* C, int64_t m, int64_t n, int64_t k) {

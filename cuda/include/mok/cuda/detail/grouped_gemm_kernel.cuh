@@ -174,12 +174,6 @@ __device__ __forceinline__ void reduce_padding_half(Mma& mma, const FragA& tCrA,
   release_state += uint32_t(k_end - k_begin - 1);
 }
 
-// Mainloop::kCluster (the CTAs sharing a row block's A k-blocks), 1 where the mainloop does not say.
-template <class Mainloop, class = void>
-inline constexpr int kClusterOf = 1;
-template <class Mainloop>
-inline constexpr int kClusterOf<Mainloop, std::void_t<decltype(Mainloop::kCluster)>> = Mainloop::kCluster;
-
 template <class Mainloop, class Epilogue>
 struct GroupedGemmParams {
   typename Mainloop::Params mainloop;
@@ -233,34 +227,18 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
-  // A cluster of kCluster CTAs (grouped rows only) takes the tiles of one row block at kCluster
-  // consecutive column blocks (p.n_blocks is a multiple of it; the launcher checks): rank r the
-  // column block kCluster * n + r of the scheduler's n. Each stage's empty barrier then counts
-  // the consumers of every CTA (their A slices land in all of them).
-  constexpr int kCluster = kClusterOf<Mainloop>;
-  Pipeline pipeline(smem.pipeline, pp, Shape<Int<kCluster>, _1, _1>{});
-  if constexpr (kCluster == 1) {
-    __syncthreads();  // barrier init and the tile schedule are visible to every role
-  } else {
-    cute::cluster_sync();  // and no CTA signals a peer's barriers before the peer initialized them
-  }
-  const int rank = int(blockIdx.x) % kCluster;  // a 1-D grid's clusters are consecutive CTAs
-  const int first = int(blockIdx.x) / kCluster, stride = int(gridDim.x) / kCluster;
+  Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier init and the tile schedule are visible to every role
 
-  const GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts> rows_sched{
-      smem.tiles, p.experts, p.n_blocks / kCluster, p.k_blocks};
+  const GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts> rows_sched{smem.tiles, p.experts,
+                                                                                     p.n_blocks, p.k_blocks};
   const bool columns = keep_b && smem.longest_segment <= kStages * Mainloop::kBlockK;
   const ExpertTileScheduler<GemmConfig::kBlockM, Mainloop::kBlockK, GemmConfig::kMaxExperts> weight_sched{
       smem.tiles, p.experts, p.m_blocks, p.n_blocks, columns ? int(gridDim.x) : 0};
   const bool by_rows = p.order == TileOrder::grouped_rows;
   // A malformed schedule computes nothing (the status word says why).
   const int total = by_rows ? rows_sched.total_tiles() : weight_sched.total_tiles();
-  auto tile_at = [&](int linear) {
-    if (!by_rows) return weight_sched.tile(linear);
-    GroupedTile t = rows_sched.tile(linear);
-    t.n_block = kCluster * t.n_block + rank;
-    return t;
-  };
+  auto tile_at = [&](int linear) { return by_rows ? rows_sched.tile(linear) : weight_sched.tile(linear); };
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -272,13 +250,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           auto* held = reinterpret_cast<typename Mainloop::BKey*>(smem.held_b);
           static_assert(sizeof(typename Mainloop::BKey) == sizeof(smem.held_b[0]));
           for (int s = 0; s < kStages; ++s) held[s] = typename Mainloop::BKey{-1, -1, -1};  // none held
-          for (int linear = first; linear < total; linear += stride)
+          for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
             load_k_blocks_keeping_b<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state,
                                               held);
         }
       }
       if (!keep_b) {
-        for (int linear = first; linear < total; linear += stride)
+        for (int linear = blockIdx.x; linear < total; linear += gridDim.x)
           load_k_blocks<Mainloop>(p.mainloop, smem.a, smem.b, tile_at(linear), pipeline, state);
       }
       pipeline.producer_tail(state);
@@ -303,16 +281,16 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     static_assert(!kTurns || kEpilogueBuffers * 64 * 64 <= kStagingElems,
                   "staging[c] holds a warpgroup's two 64 x 64 staging tiles");
     const int c = warpgroup - 1;
-    for (int linear = first; linear < total; linear += stride) {
+    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = tile_at(linear);
-      const bool last = linear + stride >= total;
+      const bool last = linear + int(gridDim.x) >= total;
       // Turns (consumer c = warpgroup 1 + c): consumer 0 starts; each gives the other the turn
       // after its mainloop (consumer 1 after its last tile gives nothing: consumer 0 has no next
       // tile to wait for). A tile of more k-blocks than stages is reduced by both at once
       // (consumer 0 gives the turn before its mainloop): alone, consumer 0 would wait for stages
       // that only the other frees.
       const bool together = t.k_end - t.k_begin > kStages;
-      if (kTurns && (c == 1 || linear != first)) wait_turn(c);
+      if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
       if (kTurns && c == 0 && together) give_turn(1);
       if (t.k_end <= t.k_begin) {
         clear(acc);  // nothing to reduce (an empty expert's weight gradient): the tile is zero

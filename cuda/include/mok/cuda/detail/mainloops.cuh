@@ -13,7 +13,6 @@
 // which fp8 wgmma cannot read).
 #pragma once
 
-#include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
 
 #include "mok/cuda/detail/gemm_config.cuh"
@@ -31,18 +30,11 @@ template <class Element>
 using ForwardSmemLayoutBHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                         Shape<Int<GemmConfig::kHalfN>, Int<OperandConfig<Element>::kBlockK>,
                                                               Int<2 * GemmConfig::kStages>>{}));
-// kMulticast > 1: each of that many CTAs of a cluster loads 1/kMulticast of the A tile's rows into
-// all of their stages (TMA multicast).
-template <class Element, int kRowsA = GemmConfig::kBlockM, int kMulticast = 1>
+template <class Element, int kRowsA = GemmConfig::kBlockM>
 auto forward_tma_a(const Element* ptr, int rows, int k) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
-  using Tile = Shape<Int<kRowsA>, Int<OperandConfig<Element>::kBlockK>>;
-  if constexpr (kMulticast == 1) {
-    return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA<Element, kRowsA>{}(_, _, 0), Tile{});
-  } else {
-    return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, t, ForwardSmemLayoutA<Element, kRowsA>{}(_, _, 0), Tile{},
-                         Int<kMulticast>{});
-  }
+  return make_tma_atom(SM90_TMA_LOAD{}, t, ForwardSmemLayoutA<Element, kRowsA>{}(_, _, 0),
+                       Shape<Int<kRowsA>, Int<OperandConfig<Element>::kBlockK>>{});
 }
 template <class Element>
 auto forward_tma_b(const Element* ptr, int n, int k, int experts) {
@@ -53,14 +45,9 @@ auto forward_tma_b(const Element* ptr, int n, int k, int experts) {
 }
 
 // kRowsA: the rows of an A tile (128; 64 for the ping-pong kernel, whose warpgroups each own a
-// 64-row tile). kCluster: the CTAs of a cluster, which compute the tiles of one row block at
-// consecutive column blocks and share its A k-blocks (TMA multicast): each loads 128 / kCluster of
-// the rows into every CTA's stage, so the L2 serves each A k-block once per cluster. The
-// kernel's pipeline then frees a stage only when the consumers of every CTA released it.
-template <class Element_, int kRowsA = GemmConfig::kBlockM, int kCluster_ = 1>
+// 64-row tile).
+template <class Element_, int kRowsA = GemmConfig::kBlockM>
 struct ForwardMainloopOf {
-  static_assert(kCluster_ == 1 || kCluster_ == 2, "A is shared by one or two CTAs");
-  static constexpr int kCluster = kCluster_;
   using Element = Element_;
   using Operand = OperandConfig<Element>;
   static constexpr int kBlockK = Operand::kBlockK;
@@ -78,13 +65,11 @@ struct ForwardMainloopOf {
   using TileA = Shape<Int<kRowsA>, Int<kBlockK>>;
   using TileBHalf = Shape<Int<GemmConfig::kHalfN>, Int<kBlockK>>;
 
-  static auto make_a(const Element* ptr, int rows, int k) {
-    return forward_tma_a<Element, kRowsA, kCluster>(ptr, rows, k);
-  }
+  static auto make_a(const Element* ptr, int rows, int k) { return forward_tma_a<Element, kRowsA>(ptr, rows, k); }
   static auto make_b(const Element* ptr, int n, int k, int experts) { return forward_tma_b(ptr, n, k, experts); }
 
   struct Params {
-    decltype(forward_tma_a<Element, kRowsA, kCluster>(nullptr, 1, 1)) tma_a;
+    decltype(forward_tma_a<Element, kRowsA>(nullptr, 1, 1)) tma_a;
     decltype(forward_tma_b<Element>(nullptr, 1, 1, 1)) tma_b0, tma_b1;
     int rows, k, b_rows, experts;
     int b1_row_shift;  // half 1 reads B1's 128-row block 2n+1 (and half 0 block 2n) when 1, else both block n
@@ -107,19 +92,12 @@ struct ForwardMainloopOf {
     Tensor gB1 = local_tile(mB1, TileBHalf{}, make_coord(_, _, _));
     Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});        // (BM, BK, STAGES)
     Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutBHalves{});  // (128, BK, 2*STAGES)
-    // With a cluster, this CTA's slice of the A tile (rows rank * 128 / kCluster, ...).
-    const int rank = kCluster == 1 ? 0 : int(cute::block_rank_in_cluster());
-    auto [tAg, tAs] = tma_partition(p.tma_a, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sA),
-                                    group_modes<0, 2>(gA));
+    auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
     auto [tB0g, tB0s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB0));
     auto [tB1g, tB1s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB1));
     const int b0_block = p.b1_row_shift ? 2 * t.n_block : t.n_block;
     const int b1_block = p.b1_row_shift ? 2 * t.n_block + 1 : t.n_block;
-    if constexpr (kCluster == 1) {
-      copy(p.tma_a.with(bar), tAg(_, t.m_block, kb, 0), tAs(_, stage));
-    } else {
-      copy(p.tma_a.with(bar, uint16_t((1u << kCluster) - 1)), tAg(_, t.m_block, kb, 0), tAs(_, stage));
-    }
+    copy(p.tma_a.with(bar), tAg(_, t.m_block, kb, 0), tAs(_, stage));
     copy(p.tma_b0.with(bar), tB0g(_, b0_block, kb, t.expert), tB0s(_, 2 * stage));
     copy(p.tma_b1.with(bar), tB1g(_, b1_block, kb, t.expert), tB1s(_, 2 * stage + 1));
   }
