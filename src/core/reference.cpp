@@ -1,10 +1,12 @@
 #include "mok/core/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "mok/core/cpu_gemm.h"
 #include "mok/core/error.h"
+#include "mok/core/fp8.h"
 #include "mok/core/parallel.h"
 
 namespace mok::ref {
@@ -96,23 +98,14 @@ void require_size(const std::vector<Real>& v, int64_t expected, const char* what
 
 }  // namespace
 
+namespace {
+// h = act(g, u) of M rows of unrounded [g|u] (acc [M, 2I]), and the saved gu (may be null).
 template <class Real>
-void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
-                     std::span<const int64_t> offsets, const Real* x, Real* gu, Real* h, Real* y,
-                     Rounding rounding) {
-  require_offsets(offsets, w.count);
-  const int64_t H = shape.hidden, I = shape.intermediate;
-  const int64_t M = w.count == 0 ? 0 : offsets[w.count];
-  std::vector<Real> acc(static_cast<size_t>(M * 2 * I));  // unrounded [g|u] per row
-  for (int64_t e = 0; e < w.count; ++e) {
-    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
-    if (rows == 0) continue;
-    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.gate + e * I * H, H, acc.data() + m0 * 2 * I, 2 * I);
-    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.up + e * I * H, H, acc.data() + m0 * 2 * I + I, 2 * I);
-  }
+void activate_rows(const MlpShape& shape, int64_t M, const Real* acc, Real* gu, Real* h, Rounding rounding) {
+  const int64_t I = shape.intermediate;
   parallel_for(M, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const Real* a = acc.data() + m * 2 * I;
+      const Real* a = acc + m * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
         const Clamped<Real> c = clamp_inputs(a[i], a[I + i], shape.swiglu_limit);
         h[m * I + i] = store(c.g * sigmoid(c.g) * c.u, rounding);
@@ -129,6 +122,24 @@ void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
       }
     }
   });
+}
+}  // namespace
+
+template <class Real>
+void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
+                     std::span<const int64_t> offsets, const Real* x, Real* gu, Real* h, Real* y,
+                     Rounding rounding) {
+  require_offsets(offsets, w.count);
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  const int64_t M = w.count == 0 ? 0 : offsets[w.count];
+  std::vector<Real> acc(static_cast<size_t>(M * 2 * I));  // unrounded [g|u] per row
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.gate + e * I * H, H, acc.data() + m0 * 2 * I, 2 * I);
+    cpu::gemm_nt(rows, I, H, x + m0 * H, H, w.up + e * I * H, H, acc.data() + m0 * 2 * I + I, 2 * I);
+  }
+  activate_rows(shape, M, acc.data(), gu, h, rounding);
   for (int64_t e = 0; e < w.count; ++e) {
     const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
@@ -438,6 +449,37 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
                            dx.data(), rounding);
   }
   return g;
+}
+
+void experts_forward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                         const float* x, float* gu, float* h, float* y) {
+  require_offsets(offsets, w.count);
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  MOK_REQUIRE(H % fp8::kBlock == 0 && I % fp8::kBlock == 0,
+              "experts_forward_fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got ", H,
+              " and ", I);
+  const int64_t M = w.count == 0 ? 0 : offsets[w.count];
+  std::vector<float> acc(static_cast<size_t>(M * 2 * I));  // unrounded [g|u] per row
+  std::vector<float> part;
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    const fp8::Quantized xq = fp8::quantize_activations(x + m0 * H, rows, H);
+    part.resize(static_cast<size_t>(rows * I));
+    for (int plane = 0; plane < 2; ++plane) {
+      fp8::gemm_nt(xq, fp8::quantize_weights((plane == 0 ? w.gate : w.up) + e * I * H, I, H), part.data());
+      for (int64_t m = 0; m < rows; ++m)
+        std::copy_n(part.data() + m * I, I, acc.data() + (m0 + m) * 2 * I + plane * I);
+    }
+  }
+  activate_rows(shape, M, acc.data(), gu, h, Rounding::bf16);
+  for (int64_t e = 0; e < w.count; ++e) {
+    const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    fp8::gemm_nt(fp8::quantize_activations(h + m0 * I, rows, I), fp8::quantize_weights(w.down + e * H * I, H, I),
+                 y + m0 * H);
+  }
+  for (int64_t i = 0; i < M * H; ++i) y[i] = store(y[i], Rounding::bf16);
 }
 
 #define MOK_INSTANTIATE_REFERENCE(Real)                                                            \

@@ -4,11 +4,13 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "mok/core/error.h"
 #include "mok/core/fp8.h"
+#include "mok/core/reference.h"
 
 namespace mok::fp8 {
 namespace {
@@ -164,6 +166,44 @@ TEST(Fp8, BlockScaledGemmPromotesEachKBlockInOrder) {
   EXPECT_THROW(gemm_nt(narrow, qb, c.data()), InvalidArgument);
   const Quantized other = quantize_weights(b.data(), N / 2, K - 128);
   EXPECT_THROW(gemm_nt(qa, other, c.data()), InvalidArgument);
+}
+
+// The experts' fp8 forward oracle (reference.h: experts_forward_fp8). On inputs that e4m3 holds
+// exactly under their block scales (small integers, and weights in steps of 1/16) every k-block's
+// sum is exact, so g|u and h are the bf16 reference's bit for bit; y differs from it only by h's
+// quantization (e4m3's 3 mantissa bits).
+TEST(Fp8, ExpertsForwardIsTheBf16FormWhereE4m3IsExact) {
+  const int64_t H = 256, I = 128, El = 3;
+  const std::vector<int64_t> offsets{0, 5, 5, 21};  // an empty expert between two
+  const int64_t M = offsets.back();
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> small(-4, 4), tiny(-2, 2);
+  std::vector<float> x(M * H), wg(El * I * H), wu(El * I * H), wd(El * H * I);
+  for (float& v : x) v = float(small(rng));
+  for (auto* w : {&wg, &wu, &wd})
+    for (float& v : *w) v = float(tiny(rng)) / 16.0f;
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  for (const std::optional<float> limit : {std::optional<float>{}, std::optional<float>{1.5f}}) {
+    const ref::MlpShape shape{H, I, limit};
+    std::vector<float> gu(M * 2 * I), h(M * I), y(M * H), gu_ref(M * 2 * I), h_ref(M * I), y_ref(M * H);
+    ref::experts_forward_fp8(shape, view, offsets, x.data(), gu.data(), h.data(), y.data());
+    ref::experts_forward(shape, view, offsets, x.data(), gu_ref.data(), h_ref.data(), y_ref.data(),
+                         ref::Rounding::bf16);
+    for (int64_t i = 0; i < M * 2 * I; ++i) ASSERT_EQ(gu[i], gu_ref[i]) << i;
+    for (int64_t i = 0; i < M * I; ++i) ASSERT_EQ(h[i], h_ref[i]) << i;
+    double err = 0.0, norm = 0.0;
+    for (int64_t i = 0; i < M * H; ++i) {
+      err += double(y[i] - y_ref[i]) * (y[i] - y_ref[i]);
+      norm += double(y_ref[i]) * y_ref[i];
+    }
+    ASSERT_GT(norm, 0.0);
+    EXPECT_LT(std::sqrt(err / norm), 0.06);
+    EXPECT_GT(err, 0.0) << "h's quantization changed nothing: the check of y cannot tell the paths apart";
+  }
+  const ref::MlpShape odd{H, 192, std::nullopt};  // not whole scale blocks
+  std::vector<float> out(M * 2 * 192);
+  EXPECT_THROW(ref::experts_forward_fp8(odd, view, offsets, x.data(), out.data(), out.data(), out.data()),
+               InvalidArgument);
 }
 
 }  // namespace

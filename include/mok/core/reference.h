@@ -56,6 +56,14 @@ void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
                      std::span<const int64_t> offsets, const Real* x, Real* gu, Real* h, Real* y,
                      Rounding rounding);
 
+// experts_forward with block-scaled e4m3 GEMMs (Precision::fp8_block; mok/core/fp8.h), the
+// oracle of the GPU's fp8 forward: each expert's x rows quantized 1 x 128 and its weights 128 x 128,
+// g and u by fp8::gemm_nt (fp32, unrounded), gu and h as experts_forward stores them (bf16), h
+// quantized 1 x 128, y = bf16(fp8::gemm_nt(h, W_down)). hidden and intermediate are multiples of
+// 128; x, h finite (fp8::quantize throws otherwise).
+void experts_forward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                         const float* x, float* gu, float* h, float* y);
+
 // Routed experts backward on the same grouped rows. row_weight [M] is each row's router weight
 // (1 for the shared expert). Out: dx [M,H]; d_row_weight [M] (may be null); d_gate, d_up
 // [count,I,H] and d_down [count,H,I], overwritten (not accumulated).
