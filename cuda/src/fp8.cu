@@ -23,13 +23,17 @@ __device__ __forceinline__ int scale_exponent(float amax) {
   return max(-126, min(127, e));
 }
 
+// k_major: scales [col_blocks, rows], else [rows, col_blocks]. rows_used (device, may be null):
+// rows at or past it are left alone.
 __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
-                                     uint8_t* __restrict__ codes, float* __restrict__ scales) {
+                                     uint8_t* __restrict__ codes, float* __restrict__ scales, bool k_major,
+                                     const int32_t* __restrict__ rows_used) {
   const int lane = threadIdx.x % 32;
   const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
   const int64_t block = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (block >= rows * col_blocks) return;
   const int64_t row = block / col_blocks, c0 = (block % col_blocks) * kBlock + lane * kPerLane;
+  if (rows_used != nullptr && row >= *rows_used) return;
   float v[kPerLane];
   float amax = 0.0f;
 #pragma unroll
@@ -40,7 +44,7 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const int e = scale_exponent(amax);
-  if (lane == 0) scales[block] = ldexpf(1.0f, e);
+  if (lane == 0) scales[k_major ? (block % col_blocks) * rows + row : block] = ldexpf(1.0f, e);
   // x / 2^e: a product with an exact power of two (2^-e is a float for e in [-126, 127]), rounded
   // once, as the CPU's quotient is; then the e4m3 conversion, nearest even and saturating.
   const float inv = ldexpf(1.0f, -e);
@@ -115,23 +119,33 @@ void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t c
     throw std::runtime_error(std::string("mok quantize_blocks_e4m3: launch: ") + cudaGetErrorString(e));
 }
 
-void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
-                        cudaStream_t stream) {
+static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                   bool k_major, const int32_t* rows_used, cudaStream_t stream) {
   if (rows < 0 || cols < 0)
-    throw std::invalid_argument("mok quantize_rows_e4m3: rows and cols must be >= 0, got " + std::to_string(rows) +
-                                " x " + std::to_string(cols));
+    throw std::invalid_argument(std::string("mok ") + name + ": rows and cols must be >= 0, got " +
+                                std::to_string(rows) + " x " + std::to_string(cols));
   const int64_t blocks = rows * ((cols + kBlock - 1) / kBlock);
   if (blocks == 0) return;
   if (x == nullptr || codes == nullptr || scales == nullptr)
-    throw std::invalid_argument("mok quantize_rows_e4m3: x, codes and scales must not be null");
+    throw std::invalid_argument(std::string("mok ") + name + ": x, codes and scales must not be null");
   const int64_t ctas = (blocks + kWarpsPerCta - 1) / kWarpsPerCta;
   if (ctas > int64_t{0x7fffffff})
-    throw std::invalid_argument("mok quantize_rows_e4m3: " + std::to_string(blocks) + " blocks are too many");
+    throw std::invalid_argument(std::string("mok ") + name + ": " + std::to_string(blocks) + " blocks are too many");
   quantize_rows_kernel<<<unsigned(ctas), 32 * kWarpsPerCta, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
-                                                                        cols, codes, scales);
+                                                                        cols, codes, scales, k_major, rows_used);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string("mok quantize_rows_e4m3: launch: ") + cudaGetErrorString(e));
+    throw std::runtime_error(std::string("mok ") + name + ": launch: " + cudaGetErrorString(e));
+}
+
+void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                        cudaStream_t stream) {
+  quantize_rows("quantize_rows_e4m3", x, rows, cols, codes, scales, false, nullptr, stream);
+}
+
+void quantize_rows_e4m3_k_major(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                                const int32_t* rows_used, cudaStream_t stream) {
+  quantize_rows("quantize_rows_e4m3_k_major", x, rows, cols, codes, scales, true, rows_used, stream);
 }
 
 }  // namespace mok::cuda

@@ -55,10 +55,19 @@ void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b
   const auto* a8 = static_cast<const float_e4m3_t*>(a);
   const auto* b8 = static_cast<const float_e4m3_t*>(b);
   auto* o = static_cast<bfloat16_t*>(out);
+  const StoreTensor target{make_store_tma(o, rows, n, n, 1, 0), rows, n, 1};
   const Fp8ScaledGemmParams p{fp8_tma_a(a8, rows, k),
                               fp8_tma_b(b8, n, k, experts),
-                              StoreTensor{make_store_tma(o, rows, n, n, 1, 0), rows, n, 1},
+                              fp8_tma_b_half(b8, n, k, experts),
+                              fp8_tma_b_half(b8, n, k, experts),
+                              target,
+                              target,
+                              target,
+                              false,
+                              false,
+                              0.0f,
                               a_scales,
+                              b_scales,
                               b_scales,
                               rows,
                               k,
@@ -66,18 +75,18 @@ void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b
                               experts,
                               ceil_div(n, Fp8GemmConfig::kBlockN),
                               ceil_div(k, Fp8GemmConfig::kBlockK),
+                              ceil_div(n, 128),
                               offsets,
                               status};
   const int smem = static_cast<int>(sizeof(Fp8ScaledGemmSharedStorage));
-  check(cudaFuncSetAttribute(fp8_scaled_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+  check(cudaFuncSetAttribute(fp8_scaled_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "set shared memory");
   int device = 0, sms = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
-  fp8_scaled_gemm_kernel<<<sms, GemmConfig::kThreads, smem, stream>>>(p);
+  fp8_scaled_gemm_kernel<false><<<sms, GemmConfig::kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "launch fp8 scaled grouped GEMM");
 }
 
-static_assert(sizeof(Fp8ScaledGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
 
 }  // namespace mok::test

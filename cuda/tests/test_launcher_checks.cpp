@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "mok/cuda/megakernel.h"
 
 namespace mok::cuda {
@@ -116,6 +117,45 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
     for (const std::string& what : {forward, backward, checked_forward, checked_backward})
       EXPECT_NE(what.find(bad.message), std::string::npos) << what;
   }
+}
+
+// The fp8 forward's arguments (fp8.h: experts_forward_fp8): whole scale blocks, 16-byte scale
+// rows, every operand with its scales; refused by name by can_implement and before any launch
+// (the pointers are host memory: a launch would fail with a CUDA error instead).
+TEST(Fp8ExpertsForwardArgs, BadArgumentsAreRefusedByName) {
+  std::vector<uint8_t> bytes(64);
+  std::vector<float> scales(64);
+  std::vector<int32_t> offsets{0, 128};
+  ExpertsForwardFp8Args a;
+  a.row_capacity = 128;
+  a.hidden = 256;
+  a.intermediate = 128;
+  a.local_experts = 1;
+  a.expert_offsets = offsets.data();
+  a.x = a.w_gate = a.w_up = a.w_down = bytes.data();
+  a.h_codes = bytes.data();
+  a.x_scales = a.w_gate_scales = a.w_up_scales = a.w_down_scales = scales.data();
+  a.h_scales = scales.data();
+  a.h = a.y = bytes.data();
+  ASSERT_EQ(can_implement(a), "");
+  const auto refused = [&](auto&& change, const char* message) {
+    ExpertsForwardFp8Args b = a;
+    change(b);
+    const std::string why = can_implement(b);
+    EXPECT_NE(why.find(message), std::string::npos) << why;
+    try {
+      experts_forward_fp8(b, nullptr);
+      ADD_FAILURE() << "not refused: " << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  refused([](auto& b) { b.intermediate = 192; }, "intermediate must be a positive multiple of 128");
+  refused([](auto& b) { b.hidden = 100; }, "hidden must be a positive multiple of 128");
+  refused([](auto& b) { b.row_capacity = 130; }, "row_capacity must be a multiple of 4");
+  refused([](auto& b) { b.w_up_scales = nullptr; }, "must not be null");
+  refused([](auto& b) { b.swiglu_limit = -1.0f; }, "swiglu_limit must be > 0");
+  refused([](auto& b) { b.local_experts = 0; }, "local_experts must be in");
 }
 
 }  // namespace

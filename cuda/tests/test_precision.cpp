@@ -11,12 +11,17 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <optional>
+#include <string>
+#include <functional>
 #include <vector>
 
 #include "fp8_gemm.h"
 #include "gpu_test_util.h"
 #include "mok/core/bf16.h"
 #include "mok/core/fp8.h"
+#include "mok/core/reference.h"
+#include "mok/core/compare.h"
 #include "mok/core/problem.h"
 #include "mok/cuda/fp8.h"
 
@@ -284,6 +289,161 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, nullptr, dscales.ptr, nullptr),
                std::invalid_argument);
 }
+
+// The experts' fp8 forward (experts_forward_fp8) against its CPU oracle (reference.h:
+// experts_forward_fp8) on fresh random bf16 inputs quantized on the GPU: g|u, h and y within a
+// tolerance (the tensor cores' sum within a k-block is not the oracle's exact one), h_codes and
+// h_scales the CPU quantization of the GPU's own h bit for bit, rows past the experts untouched,
+// five reruns and a run on 3 SMs bit for bit.
+struct Fp8ForwardCase {
+  const char* name;
+  int64_t H, I;
+  std::vector<int64_t> rows;  // real rows per expert
+  std::optional<float> limit;
+};
+
+class Fp8ExpertsForward : public ::testing::TestWithParam<Fp8ForwardCase> {};
+
+TEST_P(Fp8ExpertsForward, MatchesTheOracleAndIsDeterministic) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  const Fp8ForwardCase& c = GetParam();
+  const int64_t H = c.H, I = c.I, El = int64_t(c.rows.size());
+  std::vector<int64_t> offsets{0};
+  for (int64_t n : c.rows) offsets.push_back(offsets.back() + (n + 127) / 128 * 128);
+  const int64_t M = offsets.back(), capacity = M + 128;  // slack past the last expert stays untouched
+
+  Rng rng(std::hash<std::string>{}(c.name) ^ 0xf8f0ull);
+  std::vector<float> x(size_t(capacity * H), 0.0f);
+  for (int64_t e = 0; e < El; ++e)  // real rows random, padding rows zero
+    for (int64_t r = offsets[e]; r < offsets[e] + c.rows[e]; ++r)
+      for (int64_t k = 0; k < H; ++k) x[size_t(r * H + k)] = round_to_bf16(float(rng.normal()));
+  const auto wg = test::random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wu = test::random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wd = test::random_bf16(rng, El * H * I, 1.0 / std::sqrt(double(I)));
+
+  std::vector<float> gu_ref(M * 2 * I), h_ref(M * I), y_ref(M * H);
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  ref::experts_forward_fp8(ref::MlpShape{H, I, c.limit}, view, offsets, x.data(), gu_ref.data(), h_ref.data(),
+                           y_ref.data());
+
+  // The operands quantized on the GPU (bit for bit the oracle's: the quantizer tests).
+  DeviceBuffer<uint16_t> dx(x.size()), dwg(wg.size()), dwu(wu.size()), dwd(wd.size());
+  DeviceBuffer<uint8_t> xq(x.size()), wgq(wg.size()), wuq(wu.size()), wdq(wd.size()), hq(capacity * I);
+  DeviceBuffer<float> xs(H / 128 * capacity), wgs(El * I / 128 * H / 128), wus(wgs.n), wds(wgs.n), hs(I / 128 * capacity);
+  DeviceBuffer<uint16_t> dgu(capacity * 2 * I), dh(capacity * I), dy(capacity * H);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  ASSERT_TRUE(dx.ptr && dwg.ptr && dwu.ptr && dwd.ptr && xq.ptr && wgq.ptr && wuq.ptr && wdq.ptr && hq.ptr && xs.ptr &&
+              wgs.ptr && wus.ptr && wds.ptr && hs.ptr && dgu.ptr && dh.ptr && dy.ptr && doff.ptr && dstatus.ptr);
+  dx.upload(test::to_bits(x));
+  dwg.upload(test::to_bits(wg));
+  dwu.upload(test::to_bits(wu));
+  dwd.upload(test::to_bits(wd));
+  doff.upload(std::vector<int32_t>(offsets.begin(), offsets.end()));
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  cuda::quantize_rows_e4m3_k_major(dx.ptr, capacity, H, xq.ptr, xs.ptr, nullptr, nullptr);
+  cuda::quantize_blocks_e4m3(dwg.ptr, El, I, H, wgq.ptr, wgs.ptr, nullptr);
+  cuda::quantize_blocks_e4m3(dwu.ptr, El, I, H, wuq.ptr, wus.ptr, nullptr);
+  cuda::quantize_blocks_e4m3(dwd.ptr, El, H, I, wdq.ptr, wds.ptr, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  {  // the k-major scales are the row-major quantizer's, transposed
+    const fp8::Quantized want = fp8::quantize_activations(x.data(), capacity, H);
+    ASSERT_EQ(xq.download(), want.codes);
+    const std::vector<float> got = xs.download();
+    for (int64_t r = 0; r < capacity; ++r)
+      for (int64_t b = 0; b < H / 128; ++b)
+        ASSERT_EQ(got[size_t(b * capacity + r)], want.scales[size_t(r * (H / 128) + b)]) << "row " << r << " block " << b;
+  }
+
+  cuda::ExpertsForwardFp8Args a;
+  a.row_capacity = capacity;
+  a.hidden = H;
+  a.intermediate = I;
+  a.local_experts = El;
+  a.expert_offsets = doff.ptr;
+  a.x = xq.ptr;
+  a.x_scales = xs.ptr;
+  a.w_gate = wgq.ptr;
+  a.w_gate_scales = wgs.ptr;
+  a.w_up = wuq.ptr;
+  a.w_up_scales = wus.ptr;
+  a.w_down = wdq.ptr;
+  a.w_down_scales = wds.ptr;
+  a.gu = dgu.ptr;
+  a.h = dh.ptr;
+  a.h_codes = hq.ptr;
+  a.h_scales = hs.ptr;
+  a.y = dy.ptr;
+  a.swiglu_limit = c.limit;
+  a.status = dstatus.ptr;
+  ASSERT_EQ(cuda::can_implement(a), "");
+
+  std::vector<uint16_t> first_gu, first_h, first_y;
+  std::vector<uint8_t> first_hq;
+  for (int run = 0; run < 6; ++run) {
+    a.num_sms = run == 5 ? 3 : 0;  // the last run on 3 CTAs: many tiles each
+    dgu.poison();
+    dh.poison();
+    dy.poison();
+    hq.poison();
+    hs.poison();
+    cuda::experts_forward_fp8(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(dstatus.download()[0], 0);
+    auto gu = dgu.download(), h = dh.download(), y = dy.download();
+    auto codes = hq.download();
+    if (run == 0) {
+      const auto gu_f = from_bits(gu), h_f = from_bits(h), y_f = from_bits(y);
+      const std::vector<float> gu_m(gu_f.begin(), gu_f.begin() + M * 2 * I), h_m(h_f.begin(), h_f.begin() + M * I),
+          y_m(y_f.begin(), y_f.begin() + M * H);
+      const Comparison cg = compare(gu_m, gu_ref), ch = compare(h_m, h_ref), cy = compare(y_m, y_ref);
+      EXPECT_TRUE(cg.within(1e-2)) << cg.describe("gu");
+      EXPECT_TRUE(ch.within(1e-2)) << ch.describe("h");
+      EXPECT_TRUE(cy.within(2e-2)) << cy.describe("y");
+      std::printf("[ fp8 %s ] rel error gu %.2e h %.2e y %.2e (rows %lld)\n", c.name, cg.rel_error, ch.rel_error,
+                  cy.rel_error, static_cast<long long>(M));
+      // h_codes and h_scales: the oracle's quantization of the GPU's own h rows, bit for bit.
+      const fp8::Quantized want = fp8::quantize_activations(h_m.data(), M, I);
+      const std::vector<float> scales = hs.download();
+      for (int64_t r = 0; r < M; ++r) {
+        for (int64_t b = 0; b < I / 128; ++b)
+          ASSERT_EQ(scales[size_t(b * capacity + r)], want.scales[size_t(r * (I / 128) + b)]) << "h row " << r;
+        for (int64_t j = 0; j < I; ++j) ASSERT_EQ(codes[size_t(r * I + j)], want.codes[size_t(r * I + j)]) << "h row " << r;
+      }
+      for (int64_t r = M; r < capacity; ++r) {  // past the experts: nothing written
+        for (int64_t j = 0; j < H; ++j) ASSERT_EQ(y[size_t(r * H + j)], 0xffff) << "y row " << r;
+        for (int64_t j = 0; j < I; ++j) ASSERT_EQ(h[size_t(r * I + j)], 0xffff) << "h row " << r;
+        for (int64_t j = 0; j < I; ++j) ASSERT_EQ(codes[size_t(r * I + j)], 0xff) << "h_codes row " << r;
+        for (int64_t j = 0; j < 2 * I; ++j) ASSERT_EQ(gu[size_t(r * 2 * I + j)], 0xffff) << "gu row " << r;
+      }
+      first_gu = std::move(gu);
+      first_h = std::move(h);
+      first_y = std::move(y);
+      first_hq = std::move(codes);
+    } else {
+      EXPECT_EQ(first_bit_difference(gu, first_gu), -1) << "gu differs in run " << run;
+      EXPECT_EQ(first_bit_difference(h, first_h), -1) << "h differs in run " << run;
+      EXPECT_EQ(first_bit_difference(y, first_y), -1) << "y differs in run " << run;
+      EXPECT_EQ(codes, first_hq) << "h_codes differ in run " << run;
+    }
+  }
+  // Without gu: the same h and y.
+  a.gu = nullptr;
+  a.num_sms = 0;
+  dh.poison();
+  dy.poison();
+  cuda::experts_forward_fp8(a, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(first_bit_difference(dh.download(), first_h), -1) << "h differs without gu";
+  EXPECT_EQ(first_bit_difference(dy.download(), first_y), -1) << "y differs without gu";
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
+                         ::testing::Values(Fp8ForwardCase{"small", 256, 256, {130, 0, 300}, std::nullopt},
+                                           Fp8ForwardCase{"clamped", 512, 384, {77, 200}, 0.75f},
+                                           Fp8ForwardCase{"wide", 1024, 512, {1, 129, 256, 40}, std::nullopt}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 
 }  // namespace
 }  // namespace mok

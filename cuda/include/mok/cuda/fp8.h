@@ -1,11 +1,14 @@
 // Host API of the fp8 kernels: bf16 activations to block-scaled e4m3 on the device, the same codes
 // and scales as the CPU oracle (mok/core/fp8.h: quantize_activations) bit for bit. The first piece
-// of the block-scaled fp8 path (a rank quantizes its x before the dispatch: half the NVLink bytes).
+// of the block-scaled fp8 path (a rank quantizes its x before the dispatch: half the NVLink bytes);
+// and the experts' forward on e4m3 operands.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 namespace mok::cuda {
 
@@ -17,11 +20,55 @@ namespace mok::cuda {
 void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                         cudaStream_t stream);
 
+// quantize_rows_e4m3 with the scales k-block major: scales [ceil(cols / 128), rows], the layout the
+// fp8 expert GEMMs read (a row tile's scales of one k-block are contiguous). With rows_used (a
+// device int32, e.g. an expert offsets table's last entry), rows at or past *rows_used are not
+// touched. The same codes and scales, bit for bit.
+void quantize_rows_e4m3_k_major(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
+                                const int32_t* rows_used, cudaStream_t stream);
+
 // Weights: x [planes, rows, cols] bf16 (an expert's matrix a plane) -> codes [planes, rows, cols]
 // e4m3 and scales [planes, ceil(rows / 128), ceil(cols / 128)] fp32: one power-of-two scale per
 // 128 x 128 block of a plane (partial at the edges), as mok/core/fp8.h: quantize_weights per plane.
 // Asynchronous on `stream`; the same errors as quantize_rows_e4m3.
 void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                           cudaStream_t stream);
+
+// The routed experts' forward with block-scaled e4m3 GEMMs (Precision::fp8_block), on rows
+// grouped by expert as ExpertsForwardArgs (expert_kernels.h): g|u = x W_gate^T | x W_up^T with each
+// k-block's product promoted into fp32 with its scales, h = act(g, u) (bf16, and g|u saved as the
+// bf16 path saves them), h quantized as rows (1 x 128), y = h W_down^T the same way (bf16). The
+// CPU oracle is mok/core/reference.h: experts_forward_fp8; within a k-block the tensor cores' sum
+// is not the oracle's exact one, so results match it within a tolerance, and rerun bit for bit.
+// hidden and intermediate are multiples of 128 (whole scale blocks), row_capacity of 4.
+struct ExpertsForwardFp8Args {
+  int64_t row_capacity = 0;    // rows the row buffers hold (>= offsets[El])
+  int64_t hidden = 0;          // H
+  int64_t intermediate = 0;    // I
+  int64_t local_experts = 0;   // El
+  const int32_t* expert_offsets = nullptr;  // device [El+1], multiples of 128
+  const uint8_t* x = nullptr;          // [row_capacity, H] e4m3 (quantize_rows_e4m3_k_major)
+  const float* x_scales = nullptr;     // [H / 128, row_capacity]
+  const uint8_t* w_gate = nullptr;     // [El, I, H] e4m3 (quantize_blocks_e4m3)
+  const float* w_gate_scales = nullptr;  // [El, I / 128, H / 128]
+  const uint8_t* w_up = nullptr;       // [El, I, H] e4m3
+  const float* w_up_scales = nullptr;  // [El, I / 128, H / 128]
+  const uint8_t* w_down = nullptr;     // [El, H, I] e4m3
+  const float* w_down_scales = nullptr;  // [El, H / 128, I / 128]
+  void* gu = nullptr;                  // [row_capacity, 2I] bf16 out, may be null
+  void* h = nullptr;                   // [row_capacity, I] bf16 out
+  uint8_t* h_codes = nullptr;          // [row_capacity, I] e4m3 out: h quantized, down's input
+  float* h_scales = nullptr;           // [I / 128, row_capacity] out
+  void* y = nullptr;                   // [row_capacity, H] bf16 out
+  std::optional<float> swiglu_limit;
+  int32_t* status = nullptr;           // as ExpertsForwardArgs::status
+  int num_sms = 0;                     // 0 = all of the device's
+};
+
+// Why the fp8 kernels cannot run these arguments, or an empty string when they can.
+std::string can_implement(const ExpertsForwardFp8Args& args);
+// Asynchronous on stream; throws std::invalid_argument naming what can_implement reports. Rows
+// at or past offsets[El] of h, h_codes, gu and y are not touched.
+void experts_forward_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream);
 
 }  // namespace mok::cuda

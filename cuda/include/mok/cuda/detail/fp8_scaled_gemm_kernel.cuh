@@ -13,6 +13,14 @@
 //   warpgroups 1, 2: consumers, 64 rows x 128 columns each: a k-block's wgmma into a zeroed
 //     temporary, then acc += tmp * (sa * sb). Two 64 x 128 fragments are 128 registers, as the
 //     bf16 kernels' one 64 x 256 fragment; the tile is 128 x 128.
+// Two forms (kGateUp):
+//   store (the down projection): b one 128-row block of W[e], out[r, n] = bf16(acc), two chunks.
+//   gate|up (kGateUp): b's rows 0-63 are W_gate[e]'s rows [64n, 64n + 64) and rows 64-127 W_up[e]'s
+//     same rows, each with its own weight scale (a 64-row block lies in one 128 x 128 scale
+//     block); the epilogue pairs column c with c + 64 (accumulator values i and i + 32 of a
+//     thread): h[:, 64n + c] = bf16(act(g, u)) from the fp32 sums, and with save_gu g and u
+//     (bf16, clamp side kept) into gu[:, 64n + c] and gu[:, I + 64n + c], as the bf16 SwiGLU
+//     epilogue (expert_epilogues.cuh) writes them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,6 +32,7 @@
 #include "mok/cuda/detail/gemm_config.cuh"
 #include "mok/cuda/detail/grouped_gemm_kernel.cuh"
 #include "mok/cuda/detail/grouped_tile_scheduler.cuh"
+#include "mok/cuda/detail/swiglu.cuh"
 
 namespace mok::cuda::detail {
 
@@ -45,6 +54,12 @@ struct Fp8GemmConfig {
                                            Layout<Shape<_2, _1, _1>>{}));
 };
 
+// a [rows, k] (K-major) in 128 x 128 tiles; b [experts, n, k] in 128-row tiles (the store form)
+// or 64-row halves (gate|up: the smem stage seen as (64, 128, 2 * STAGES), half h of stage s at
+// 2s + h: K-major swizzle atoms stack along rows first, so a stage's rows 0-63 and 64-127 are two
+// consecutive 8 KiB blocks).
+using Fp8SmemLayoutHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float_e4m3_t>{},
+                                                   Shape<_64, Int<Fp8GemmConfig::kBlockK>, Int<2 * Fp8GemmConfig::kStages>>{}));
 inline auto fp8_tma_a(const float_e4m3_t* ptr, int rows, int k) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
   return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8GemmConfig::SmemLayout{}(_, _, 0),
@@ -56,15 +71,26 @@ inline auto fp8_tma_b(const float_e4m3_t* ptr, int n, int k, int experts) {
   return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8GemmConfig::SmemLayout{}(_, _, 0),
                        Shape<Int<Fp8GemmConfig::kBlockN>, Int<Fp8GemmConfig::kBlockK>>{});
 }
+inline auto fp8_tma_b_half(const float_e4m3_t* ptr, int n, int k, int experts) {
+  Tensor t = make_tensor(make_gmem_ptr(ptr),
+                         make_layout(make_shape(n, k, experts), make_stride(int64_t(k), _1{}, int64_t(n) * k)));
+  return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8SmemLayoutHalves{}(_, _, 0), Shape<_64, Int<Fp8GemmConfig::kBlockK>>{});
+}
 
 struct Fp8ScaledGemmParams {
   decltype(fp8_tma_a(nullptr, 1, 1)) tma_a;
-  decltype(fp8_tma_b(nullptr, 1, 1, 1)) tma_b;
-  StoreTensor out;             // [rows, n] bf16, 128 x 64 boxes
+  decltype(fp8_tma_b(nullptr, 1, 1, 1)) tma_b;                     // the store form's b
+  decltype(fp8_tma_b_half(nullptr, 1, 1, 1)) tma_gate, tma_up;     // gate|up's halves
+  StoreTensor out;             // [rows, n_out] bf16, 128 x 64 boxes: y (store), h (gate|up)
+  StoreTensor g, u;            // gate|up with save_gu: the two halves of gu [rows, 2I]
+  bool save_gu, has_limit;
+  float limit;
   const float* a_scales;       // [k_blocks, rows]
-  const float* b_scales;       // [experts, n_blocks, k_blocks]
-  int rows, k, n, experts;
-  int n_blocks, k_blocks;
+  const float* b_scales;       // [experts, b_scale_rows, k_blocks]: b's (store) or W_gate's (gate|up)
+  const float* up_scales;      // gate|up: W_up's, the same shape
+  int rows, k, n, experts;     // n: b's rows (a plane's)
+  int n_blocks, k_blocks;      // output column tiles (128 wide: 128 of out, or 64 of g and 64 of u); k-blocks
+  int b_scale_rows;            // ceil(n / 128)
   const int32_t* offsets;      // [experts + 1], 128-row aligned
   int32_t* status;
 };
@@ -78,6 +104,7 @@ struct Fp8ScaledGemmSharedStorage {
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
 };
 
+template <bool kGateUp>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     fp8_scaled_gemm_kernel(const __grid_constant__ Fp8ScaledGemmParams p) {
   using Config = Fp8GemmConfig;
@@ -94,7 +121,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (bad != 0 && threadIdx.x == 0 && blockIdx.x == 0 && p.status != nullptr) atomicCAS(p.status, 0, bad);
     if (threadIdx.x == 0) {
       prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
-      prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      if constexpr (kGateUp) {
+        prefetch_tma_descriptor(p.tma_gate.get_tma_descriptor());
+        prefetch_tma_descriptor(p.tma_up.get_tma_descriptor());
+      } else {
+        prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      }
     }
   }
   typename Pipeline::Params pp;
@@ -113,13 +145,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync()) {
       const int total = sched.total_tiles();
       Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.k, 1));
-      Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.experts));
       Tensor gA = local_tile(mA, Shape<Int<Config::kBlockM>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BM, BK, m, k, 1)
-      Tensor gB = local_tile(mB, Shape<Int<Config::kBlockN>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BN, BK, n, k, e)
       Tensor sA = make_tensor(make_smem_ptr(smem.a), Config::SmemLayout{});
-      Tensor sB = make_tensor(make_smem_ptr(smem.b), Config::SmemLayout{});
       auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-      auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
         const GroupedTile t = sched.tile(linear);
@@ -128,7 +156,23 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           auto* bar = pipeline.producer_get_barrier(state);
           const int s = state.index();
           copy(p.tma_a.with(*bar), tAg(_, t.m_block, kb, 0), tAs(_, s));
-          copy(p.tma_b.with(*bar), tBg(_, t.n_block, kb, t.expert), tBs(_, s));
+          if constexpr (kGateUp) {
+            Tensor sH = make_tensor(make_smem_ptr(smem.b), Fp8SmemLayoutHalves{});  // (64, BK, 2*STAGES)
+            static_for<2>([&](auto half_) {
+              constexpr int half = decltype(half_)::value;
+              const auto& tma = half == 0 ? p.tma_gate : p.tma_up;
+              Tensor mW = tma.get_tma_tensor(make_shape(p.n, p.k, p.experts));
+              Tensor gW = local_tile(mW, Shape<_64, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (64, BK, n, k, e)
+              auto [tWg, tWs] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH), group_modes<0, 2>(gW));
+              copy(tma.with(*bar), tWg(_, t.n_block, kb, t.expert), tWs(_, 2 * s + half));
+            });
+          } else {
+            Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.experts));
+            Tensor gB = local_tile(mB, Shape<Int<Config::kBlockN>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BN, BK, n, k, e)
+            Tensor sB = make_tensor(make_smem_ptr(smem.b), Config::SmemLayout{});
+            auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+            copy(p.tma_b.with(*bar), tBg(_, t.n_block, kb, t.expert), tBs(_, s));
+          }
           SM90_BULK_COPY_G2S::copy(p.a_scales + int64_t(kb) * p.rows + int64_t(t.m_block) * Config::kBlockM, bar,
                                    smem.a_scales[s], int32_t(Config::kScaleBytes));
           ++state;
@@ -152,16 +196,23 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     Tensor acc = partition_fragment_C(mma, Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>{});
     Tensor tmp = partition_fragment_C(mma, Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>{});
     static_assert(cute::size(decltype(acc){}) == 64, "a 64 x 128 fragment per consumer thread");
-    // The thread's two rows of the tile: values i with (i / 2) % 2 == 0 are row r0, the others r0 + 8.
+    // The thread's two rows of the tile: values i with (i / 2) % 2 == 0 are row r0, the others
+    // r0 + 8. Columns [0, 64) are values [0, 32) (gate|up: the gate half), [64, 128) values [32, 64).
     const int r0 = get<0>(tCcC(0));
 
     cutlass::PipelineState<Config::kStages> state;
+    int chunk = 0;  // the staging tile of the next chunk: chunk % 2 (the gate|up form stores an odd count per tile)
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = sched.tile(linear);
       clear(acc);  // an expert's k-blocks always exist (k >= 1): every tile reduces at least one
-      const float* sb = p.b_scales + (int64_t(t.expert) * p.n_blocks + t.n_block) * p.k_blocks;
+      // The weight scales of the tile's b rows: a 128-row block (store), or the 64-row halves'
+      // blocks of W_gate and W_up (gate|up).
+      const int64_t scale_row = int64_t(t.expert) * p.b_scale_rows + (kGateUp ? t.n_block / 2 : t.n_block);
+      const float* sb = p.b_scales + scale_row * p.k_blocks;
+      const float* su = kGateUp ? p.up_scales + scale_row * p.k_blocks : sb;
       for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-        const float b_scale = __ldg(sb + kb);  // read before the wait: off the path every k-block waits on
+        // Read before the wait: off the path every k-block waits on.
+        const float b_scale = __ldg(sb + kb), up_scale = kGateUp ? __ldg(su + kb) : b_scale;
         pipeline.consumer_wait(state);
         const int s = state.index();
         warpgroup_fence_operand(tmp);
@@ -175,21 +226,61 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tmp);
-        const float s0 = smem.a_scales[s][r0] * b_scale, s1 = smem.a_scales[s][r0 + 8] * b_scale;
+        const float a0 = smem.a_scales[s][r0], a1 = smem.a_scales[s][r0 + 8];
         pipeline.consumer_release(state);  // the scales and operands of stage s are read
         ++state;
+        // Powers of two: every product of scales is exact, so the order of the products is free.
+        const float s0 = a0 * b_scale, s1 = a1 * b_scale, u0 = a0 * up_scale, u1 = a1 * up_scale;
         CUTE_UNROLL
-        for (int i = 0; i < size(acc); ++i) acc(i) = __fadd_rn(acc(i), __fmul_rn(tmp(i), (i / 2) % 2 == 0 ? s0 : s1));
+        for (int i = 0; i < size(acc); ++i) {
+          const bool row0 = (i / 2) % 2 == 0, up = kGateUp && i >= 32;
+          acc(i) = __fadd_rn(acc(i), __fmul_rn(tmp(i), up ? (row0 ? u0 : u1) : (row0 ? s0 : s1)));
+        }
       }
-      // bf16 out, 64 columns a chunk (values [32c, 32c + 32) of the fragment).
-      static_for<2>([&](auto c_) {
-        constexpr int c = decltype(c_)::value;
-        store_chunk<32 * c>(smem.staging[0], c, p.out, tCcC, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread,
-                            [&](auto i_) {
-                              constexpr int i = decltype(i_)::value;
-                              return __floats2bfloat162_rn(acc(i), acc(i + 1));
-                            });
-      });
+      if constexpr (kGateUp) {
+        // g|u first (when saved), then h: values i (gate column c) and i + 32 (up column c).
+        if (p.save_gu) {
+          static_for<2>([&](auto plane_) {
+            constexpr int plane = decltype(plane_)::value;
+            const float lo = plane == 0 ? -INFINITY : -p.limit;
+            auto save = [&](auto value) {
+              store_chunk<32 * plane>(smem.staging[0], chunk, plane == 0 ? p.g : p.u, tCcC, 64 * plane, t.m_block,
+                                      t.n_block, 0, thread, value);
+            };
+            // One uniform branch per chunk, not per value (as the bf16 SwiGLU epilogue).
+            if (p.has_limit) {
+              save([&](auto i_) {
+                constexpr int i = decltype(i_)::value;
+                __nv_bfloat162 v;
+                v.x = save_for_clamp(acc(i), lo, p.limit);
+                v.y = save_for_clamp(acc(i + 1), lo, p.limit);
+                return v;
+              });
+            } else {
+              save([&](auto i_) {
+                constexpr int i = decltype(i_)::value;
+                return __floats2bfloat162_rn(acc(i), acc(i + 1));
+              });
+            }
+            ++chunk;
+          });
+        }
+        store_chunk<0>(smem.staging[0], chunk++, p.out, tCcC, 0, t.m_block, t.n_block, 0, thread, [&](auto i_) {
+          constexpr int i = decltype(i_)::value;
+          return __floats2bfloat162_rn(swiglu(acc(i), acc(i + 32), p.has_limit, p.limit),
+                                       swiglu(acc(i + 1), acc(i + 33), p.has_limit, p.limit));
+        });
+      } else {
+        // bf16 out, 64 columns a chunk (values [32c, 32c + 32) of the fragment).
+        static_for<2>([&](auto c_) {
+          constexpr int c = decltype(c_)::value;
+          store_chunk<32 * c>(smem.staging[0], chunk++, p.out, tCcC, 64 * c, t.m_block, 2 * t.n_block + c, 0, thread,
+                              [&](auto i_) {
+                                constexpr int i = decltype(i_)::value;
+                                return __floats2bfloat162_rn(acc(i), acc(i + 1));
+                              });
+        });
+      }
     }
     drain_stores(thread);
   }

@@ -1,0 +1,120 @@
+// Host launcher of the experts' block-scaled e4m3 forward (include/mok/cuda/fp8.h:
+// experts_forward_fp8): gate|up with the SwiGLU epilogue, h quantized as rows, down; the kernel is
+// detail/fp8_scaled_gemm_kernel.cuh.
+#include <cuda_runtime.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "mok/cuda/detail/fp8_scaled_gemm_kernel.cuh"
+#include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
+#include "launch_util.h"
+
+namespace mok::cuda {
+namespace {
+
+using detail::float_e4m3_t;
+using detail::Fp8GemmConfig;
+using detail::Fp8ScaledGemmParams;
+using detail::GemmConfig;
+using detail::StoreTensor;
+using host_util::bf;
+using host_util::check;
+using host_util::device_sms;
+using host_util::store_target;
+
+static_assert(sizeof(detail::Fp8ScaledGemmSharedStorage) <= 232448, "shared storage exceeds 227 KiB");
+
+const float_e4m3_t* e4m3(const uint8_t* p) { return reinterpret_cast<const float_e4m3_t*>(p); }
+
+template <bool kGateUp>
+void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
+  const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp>;
+  const int smem = int(sizeof(detail::Fp8ScaledGemmSharedStorage));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
+  kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), kGateUp ? "launch the fp8 gate|up GEMM" : "launch the fp8 down GEMM");
+}
+
+}  // namespace
+
+std::string can_implement(const ExpertsForwardFp8Args& a) {
+  std::ostringstream why;
+  const int64_t H = a.hidden, I = a.intermediate, El = a.local_experts, R = a.row_capacity;
+  if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
+  if (I < 128 || I % 128 != 0)
+    why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
+  if (El < 1 || El > GemmConfig::kMaxExperts)
+    why << "local_experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
+  if (R < 0 || R > (int64_t{1} << 30) || R % 4 != 0)
+    why << "row_capacity must be a multiple of 4 (16-byte rows of scales) in [0, 2^30], got " << R << "; ";
+  if (a.expert_offsets == nullptr) why << "expert_offsets is null; ";
+  if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.w_down ||
+      !a.w_down_scales || !a.h || !a.h_codes || !a.h_scales || !a.y)
+    why << "x, w_gate, w_up, w_down (each with its scales), h, h_codes, h_scales and y must not be null; ";
+  if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
+  return host_util::trimmed(why.str());
+}
+
+void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
+  if (const std::string why = can_implement(a); !why.empty())
+    throw std::invalid_argument("mok cuda experts (fp8): " + why);
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  if (R == 0) return;
+  const int rows = int(R), h = int(H), i = int(I), experts = int(El);
+  // gate|up: tiles of 64 gate and 64 up columns; h in 64-column chunks, g|u into gu's two halves.
+  const bool save = a.gu != nullptr;
+  const Fp8ScaledGemmParams gate_up{detail::fp8_tma_a(e4m3(a.x), rows, h),
+                                    detail::fp8_tma_b(e4m3(a.w_gate), i, h, experts),
+                                    detail::fp8_tma_b_half(e4m3(a.w_gate), i, h, experts),
+                                    detail::fp8_tma_b_half(e4m3(a.w_up), i, h, experts),
+                                    store_target(a.h, R, I, I),
+                                    save ? store_target(a.gu, R, I, 2 * I) : store_target(a.h, R, I, I),
+                                    save ? store_target(bf(a.gu) + I, R, I, 2 * I) : store_target(a.h, R, I, I),
+                                    save,
+                                    a.swiglu_limit.has_value(),
+                                    a.swiglu_limit.value_or(0.0f),
+                                    a.x_scales,
+                                    a.w_gate_scales,
+                                    a.w_up_scales,
+                                    rows,
+                                    h,
+                                    i,
+                                    experts,
+                                    i / 64,
+                                    h / Fp8GemmConfig::kBlockK,
+                                    i / 128,
+                                    a.expert_offsets,
+                                    a.status};
+  launch<true>(gate_up, a.num_sms, stream);
+  // h as rows of 1 x 128 blocks, only the experts' rows (offsets[El] read on the device).
+  quantize_rows_e4m3_k_major(a.h, R, I, a.h_codes, a.h_scales, a.expert_offsets + El, stream);
+  const StoreTensor y = store_target(a.y, R, H, H);
+  const Fp8ScaledGemmParams down{detail::fp8_tma_a(e4m3(a.h_codes), rows, i),
+                                 detail::fp8_tma_b(e4m3(a.w_down), h, i, experts),
+                                 detail::fp8_tma_b_half(e4m3(a.w_down), h, i, experts),
+                                 detail::fp8_tma_b_half(e4m3(a.w_down), h, i, experts),
+                                 y,
+                                 y,
+                                 y,
+                                 false,
+                                 false,
+                                 0.0f,
+                                 a.h_scales,
+                                 a.w_down_scales,
+                                 a.w_down_scales,
+                                 rows,
+                                 i,
+                                 h,
+                                 experts,
+                                 h / Fp8GemmConfig::kBlockN,
+                                 i / Fp8GemmConfig::kBlockK,
+                                 h / 128,
+                                 a.expert_offsets,
+                                 a.status};
+  launch<false>(down, a.num_sms, stream);
+}
+
+}  // namespace mok::cuda
