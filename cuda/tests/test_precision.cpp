@@ -441,7 +441,7 @@ TEST_P(Fp8ExpertsForward, MatchesTheOracleAndIsDeterministic) {
 INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
                          ::testing::Values(Fp8ForwardCase{"small", 256, 256, {130, 0, 300}, std::nullopt},
                                            Fp8ForwardCase{"clamped", 512, 384, {77, 200}, 0.75f},
-                                           Fp8ForwardCase{"wide", 1024, 512, {1, 129, 256, 40}, std::nullopt}),
+                                           Fp8ForwardCase{"four_experts", 512, 256, {1, 129, 256, 40}, std::nullopt}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 

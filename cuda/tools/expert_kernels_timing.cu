@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "timing_util.h"
 
 namespace {
@@ -70,6 +71,58 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   CHECK_CUDA(cudaMalloc(&w2, 2 * I * H * 2));
   const float c_gu = time_ms([&] { dense(x, w2, gu, M, 2 * I, H); }, iters);
   const float c_down = time_ms([&] { dense(h, wd, y, M, H, I); }, iters);
+  // The fp8 forward (block-scaled e4m3, experts_forward_fp8) against the bf16 forward of the same
+  // rows, both timed here; x and the weights quantized once, outside the timing (h's quantization
+  // is inside: the launcher runs it between its GEMMs).
+  if (H % 128 == 0 && I % 128 == 0) {
+    uint8_t *xq, *wgq, *wuq, *wdq, *hq;
+    float *xs, *wgs, *wus, *wds, *hs;
+    CHECK_CUDA(cudaMalloc(&xq, M * H));
+    CHECK_CUDA(cudaMalloc(&wgq, El * I * H));
+    CHECK_CUDA(cudaMalloc(&wuq, El * I * H));
+    CHECK_CUDA(cudaMalloc(&wdq, El * H * I));
+    CHECK_CUDA(cudaMalloc(&hq, M * I));
+    CHECK_CUDA(cudaMalloc(&xs, H / 128 * M * 4));
+    CHECK_CUDA(cudaMalloc(&wgs, El * (I / 128) * (H / 128) * 4));
+    CHECK_CUDA(cudaMalloc(&wus, El * (I / 128) * (H / 128) * 4));
+    CHECK_CUDA(cudaMalloc(&wds, El * (I / 128) * (H / 128) * 4));
+    CHECK_CUDA(cudaMalloc(&hs, I / 128 * M * 4));
+    mok::cuda::quantize_rows_e4m3_k_major(x, M, H, xq, xs, nullptr, nullptr);
+    mok::cuda::quantize_blocks_e4m3(wg, El, I, H, wgq, wgs, nullptr);
+    mok::cuda::quantize_blocks_e4m3(wu, El, I, H, wuq, wus, nullptr);
+    mok::cuda::quantize_blocks_e4m3(wd, El, H, I, wdq, wds, nullptr);
+    mok::cuda::ExpertsForwardFp8Args f;
+    f.row_capacity = M;
+    f.hidden = H;
+    f.intermediate = I;
+    f.local_experts = El;
+    f.expert_offsets = off;
+    f.x = xq;
+    f.x_scales = xs;
+    f.w_gate = wgq;
+    f.w_gate_scales = wgs;
+    f.w_up = wuq;
+    f.w_up_scales = wus;
+    f.w_down = wdq;
+    f.w_down_scales = wds;
+    f.gu = gu;
+    f.h = h;
+    f.h_codes = hq;
+    f.h_scales = hs;
+    f.y = y;
+    f.status = status;
+    a.gu = gu;
+    float t_fp8 = 0, t_bf16 = 0;
+    for (int r = 0; r < 4; ++r) {  // alternating which runs first
+      if (r % 2 == 0) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
+      t_bf16 += time_ms([&] { mok::cuda::experts_forward(a, nullptr); }, iters) / 4;
+      if (r % 2 == 1) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
+    }
+    std::printf("    forward fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
+                t_fp8, 3 * f_down / t_fp8 / 1e9, t_bf16, 3 * f_down / t_bf16 / 1e9, t_bf16 / t_fp8);
+    for (void* q : {(void*)xq, (void*)wgq, (void*)wuq, (void*)wdq, (void*)hq, (void*)xs, (void*)wgs, (void*)wus, (void*)wds, (void*)hs})
+      cudaFree(q);
+  }
   // Backward: dgrad (down + SwiGLU, gate|up) and the three weight gradients.
   uint16_t *dgu, *hw, *dx;
   float *rw, *partial, *ddw, *dWg, *dWu, *dWd;
