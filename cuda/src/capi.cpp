@@ -17,6 +17,7 @@
 #include "mok/core/planner.h"
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "mok/cuda/megakernel.h"
 #include "mok/cuda/routing.h"
 
@@ -155,6 +156,76 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
     } else {
       throw std::invalid_argument("mok_cuda_experts_forward: which must be 0, 1 or 2, got " + std::to_string(which));
     }
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
+// Block-scaled e4m3 quantization (mok/cuda/fp8.h): rows (1 x 128 scales, k-block major when
+// k_major; rows_used, a device int32, may be null) or planes of 128 x 128 blocks.
+int mok_cuda_quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, void* codes, void* scales, int k_major,
+                                const void* rows_used, void* stream, char* error, int error_len) {
+  try {
+    auto* c = static_cast<uint8_t*>(codes);
+    auto* sc = static_cast<float*>(scales);
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (k_major) {
+      mok::cuda::quantize_rows_e4m3_k_major(x, rows, cols, c, sc, static_cast<const int32_t*>(rows_used), s);
+    } else {
+      if (rows_used != nullptr) throw std::invalid_argument("mok_cuda_quantize_rows_e4m3: rows_used needs k_major");
+      mok::cuda::quantize_rows_e4m3(x, rows, cols, c, sc, s);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
+int mok_cuda_quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, void* codes,
+                                  void* scales, void* stream, char* error, int error_len) {
+  try {
+    mok::cuda::quantize_blocks_e4m3(x, planes, rows, cols, static_cast<uint8_t*>(codes), static_cast<float*>(scales),
+                                    static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
+// The experts' fp8 forward (mok::cuda::ExpertsForwardFp8Args, in its field order).
+int mok_cuda_experts_forward_fp8(int64_t row_capacity, int64_t hidden, int64_t intermediate, int64_t local_experts,
+                                 const void* expert_offsets, const void* x, const void* x_scales, const void* w_gate,
+                                 const void* w_gate_scales, const void* w_up, const void* w_up_scales,
+                                 const void* w_down, const void* w_down_scales, void* gu, void* h, void* h_codes,
+                                 void* h_scales, void* y, int has_limit, float limit, void* status, void* stream,
+                                 char* error, int error_len) {
+  try {
+    mok::cuda::ExpertsForwardFp8Args a;
+    a.row_capacity = row_capacity;
+    a.hidden = hidden;
+    a.intermediate = intermediate;
+    a.local_experts = local_experts;
+    a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+    a.x = static_cast<const uint8_t*>(x);
+    a.x_scales = static_cast<const float*>(x_scales);
+    a.w_gate = static_cast<const uint8_t*>(w_gate);
+    a.w_gate_scales = static_cast<const float*>(w_gate_scales);
+    a.w_up = static_cast<const uint8_t*>(w_up);
+    a.w_up_scales = static_cast<const float*>(w_up_scales);
+    a.w_down = static_cast<const uint8_t*>(w_down);
+    a.w_down_scales = static_cast<const float*>(w_down_scales);
+    a.gu = gu;
+    a.h = h;
+    a.h_codes = static_cast<uint8_t*>(h_codes);
+    a.h_scales = static_cast<float*>(h_scales);
+    a.y = y;
+    if (has_limit) a.swiglu_limit = limit;
+    a.status = static_cast<int32_t*>(status);
+    mok::cuda::experts_forward_fp8(a, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
     write_error(e, error, error_len);

@@ -32,6 +32,16 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_experts_forward.restype = ctypes.c_int
     lib.mok_cuda_experts_forward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [
         ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_quantize_rows_e4m3.restype = ctypes.c_int
+    lib.mok_cuda_quantize_rows_e4m3.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_quantize_blocks_e4m3.restype = ctypes.c_int
+    lib.mok_cuda_quantize_blocks_e4m3.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+        ctypes.c_void_p] * 3 + [ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_experts_forward_fp8.restype = ctypes.c_int
+    lib.mok_cuda_experts_forward_fp8.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 14 + [
+        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_experts_backward.restype = ctypes.c_int
     lib.mok_cuda_experts_backward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 17 + [
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
@@ -127,6 +137,90 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
         rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(gu), _ptr(h), _ptr(y),
         int(swiglu_limit is not None), float(swiglu_limit or 0.0), _ptr(status),
         torch.cuda.current_stream().cuda_stream, which, error, len(error))
+    if rc != 0:
+        raise ValueError(error.value.decode())
+
+
+def _require_cuda(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device | None = None) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_cuda or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CUDA tensor")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled e4m3 rows of x [rows, cols] bf16: (codes [rows, cols] float8_e4m3fn, scales f32), one
+    power-of-two scale per row and 128 columns: [ceil(cols / 128), rows] when k_major (what
+    experts_forward_fp8 reads), else [rows, ceil(cols / 128)]. x = codes * scale within e4m3's precision."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, cols], got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    _require_cuda("x", x, (rows, cols), torch.bfloat16)
+    blocks = math.ceil(cols / 128)
+    codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((blocks, rows) if k_major else (rows, blocks), dtype=torch.float32, device=x.device)
+    error = ctypes.create_string_buffer(512)
+    if _lib().mok_cuda_quantize_rows_e4m3(_ptr(x), rows, cols, _ptr(codes), _ptr(scales), int(k_major), None,
+                                         torch.cuda.current_stream(x.device).cuda_stream, error, len(error)) != 0:
+        raise ValueError(error.value.decode())
+    return codes, scales
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled e4m3 of each plane of w [planes, rows, cols] bf16 (an expert's matrix a plane):
+    (codes float8_e4m3fn, scales f32 [planes, ceil(rows / 128), ceil(cols / 128)]), one power-of-two
+    scale per 128 x 128 block."""
+    if w.dim() != 3:
+        raise ValueError(f"w must be [planes, rows, cols], got shape {tuple(w.shape)}")
+    planes, rows, cols = w.shape
+    _require_cuda("w", w, (planes, rows, cols), torch.bfloat16)
+    codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty((planes, math.ceil(rows / 128), math.ceil(cols / 128)), dtype=torch.float32, device=w.device)
+    error = ctypes.create_string_buffer(512)
+    if _lib().mok_cuda_quantize_blocks_e4m3(_ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales),
+                                           torch.cuda.current_stream(w.device).cuda_stream, error, len(error)) != 0:
+        raise ValueError(error.value.decode())
+    return codes, scales
+
+
+def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor,
+                        w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
+                        w_down: tuple[torch.Tensor, torch.Tensor], *, h: torch.Tensor, y: torch.Tensor,
+                        h_codes: tuple[torch.Tensor, torch.Tensor], gu: torch.Tensor | None = None,
+                        swiglu_limit: float | None = None, status: torch.Tensor | None = None) -> None:
+    """experts_forward on block-scaled e4m3 operands: x = quantize_rows(x_rows) (k-major), each weight
+    = quantize_weights(w); writes h and y (bf16), h_codes = (codes, k-major scales) of h (down's
+    input), and gu when given. hidden and intermediate are multiples of 128. Asynchronous on the
+    current stream; rows at or past offsets[El] are not touched."""
+    (xq, xs), (wgq, wgs), (wuq, wus), (wdq, wds), (hq, hs) = x, w_gate, w_up, w_down, h_codes
+    El, I, H = wgq.shape
+    rows = xq.shape[0]
+    dev = xq.device
+    specs = [("x codes", xq, (rows, H), torch.float8_e4m3fn), ("x scales", xs, (math.ceil(H / 128), rows), torch.float32),
+             ("w_gate codes", wgq, (El, I, H), torch.float8_e4m3fn), ("w_up codes", wuq, (El, I, H), torch.float8_e4m3fn),
+             ("w_down codes", wdq, (El, H, I), torch.float8_e4m3fn),
+             ("w_gate scales", wgs, (El, math.ceil(I / 128), math.ceil(H / 128)), torch.float32),
+             ("w_up scales", wus, (El, math.ceil(I / 128), math.ceil(H / 128)), torch.float32),
+             ("w_down scales", wds, (El, math.ceil(H / 128), math.ceil(I / 128)), torch.float32),
+             ("h", h, (rows, I), torch.bfloat16), ("y", y, (rows, H), torch.bfloat16),
+             ("h codes", hq, (rows, I), torch.float8_e4m3fn), ("h scales", hs, (math.ceil(I / 128), rows), torch.float32)]
+    if gu is not None:
+        specs.append(("gu", gu, (rows, 2 * I), torch.bfloat16))
+    for name, t, shape, dtype in specs:
+        _require_cuda(name, t, shape, dtype, dev)
+    if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or offsets.device != dev:
+        raise ValueError(f"offsets must be int32 [{El + 1}] on {dev}, got {offsets.dtype} {tuple(offsets.shape)} "
+                         f"on {offsets.device}")
+    error = ctypes.create_string_buffer(512)
+    rc = _lib().mok_cuda_experts_forward_fp8(
+        rows, H, I, El, _ptr(offsets), _ptr(xq), _ptr(xs), _ptr(wgq), _ptr(wgs), _ptr(wuq), _ptr(wus), _ptr(wdq),
+        _ptr(wds), _ptr(gu), _ptr(h), _ptr(hq), _ptr(hs), _ptr(y), int(swiglu_limit is not None),
+        float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream(dev).cuda_stream, error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
 
