@@ -229,12 +229,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         const float a0 = smem.a_scales[s][r0], a1 = smem.a_scales[s][r0 + 8];
         pipeline.consumer_release(state);  // the scales and operands of stage s are read
         ++state;
-        // Powers of two: every product of scales is exact, so the order of the products is free.
+        // Powers of two: every product with a scale is exact (short of fp32's range ends), so the
+        // order of the products is free, and one fused multiply-add rounds as the oracle's
+        // multiply then add: half the instructions of the two (they were 30% of the samples).
         const float s0 = a0 * b_scale, s1 = a1 * b_scale, u0 = a0 * up_scale, u1 = a1 * up_scale;
         CUTE_UNROLL
         for (int i = 0; i < size(acc); ++i) {
           const bool row0 = (i / 2) % 2 == 0, up = kGateUp && i >= 32;
-          acc(i) = __fadd_rn(acc(i), __fmul_rn(tmp(i), up ? (row0 ? u0 : u1) : (row0 ? s0 : s1)));
+          acc(i) = __fmaf_rn(tmp(i), up ? (row0 ? u0 : u1) : (row0 ? s0 : s1), acc(i));
         }
       }
       if constexpr (kGateUp) {
