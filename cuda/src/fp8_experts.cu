@@ -3,8 +3,6 @@
 // detail/fp8_scaled_gemm_kernel.cuh.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -40,18 +38,6 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
   check(cudaGetLastError(), kGateUp ? "launch the fp8 gate|up GEMM" : "launch the fp8 down GEMM");
 }
 
-// MOK_FP8_STAGGER=0 starts both consumer warpgroups of a tile together (the timing tool's A/B
-// switch, read at each call); the default staggers them (fp8_scaled_gemm_kernel.cuh).
-std::string stagger_problem() {
-  const char* v = std::getenv("MOK_FP8_STAGGER");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0) return "";
-  return std::string("MOK_FP8_STAGGER must be 0 or 1, got '") + v + "'; ";
-}
-bool stagger_warpgroups() {
-  const char* v = std::getenv("MOK_FP8_STAGGER");
-  return v == nullptr || *v == '\0' || std::strcmp(v, "0") != 0;
-}
-
 }  // namespace
 
 std::string can_implement(const ExpertsForwardFp8Args& a) {
@@ -69,7 +55,6 @@ std::string can_implement(const ExpertsForwardFp8Args& a) {
       !a.w_down_scales || !a.h || !a.h_codes || !a.h_scales || !a.y)
     why << "x, w_gate, w_up, w_down (each with its scales), h, h_codes, h_scales and y must not be null; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
-  why << stagger_problem();
   return host_util::trimmed(why.str());
 }
 
@@ -79,7 +64,6 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
   const int rows = int(R), h = int(H), i = int(I), experts = int(El);
-  const int stagger = stagger_warpgroups() ? 1 : 0;
   // gate|up: tiles of 64 gate and 64 up columns; h in 64-column chunks, g|u into gu's two halves.
   const bool save = a.gu != nullptr;
   const Fp8ScaledGemmParams gate_up{detail::fp8_tma_a(e4m3(a.x), rows, h),
@@ -103,8 +87,7 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
                                     h / Fp8GemmConfig::kBlockK,
                                     i / 128,
                                     a.expert_offsets,
-                                    a.status,
-                                    stagger};
+                                    a.status};
   launch<true>(gate_up, a.num_sms, stream);
   // h as rows of 1 x 128 blocks, only the experts' rows (offsets[El] read on the device).
   quantize_rows_e4m3_k_major(a.h, R, I, a.h_codes, a.h_scales, a.expert_offsets + El, stream);
@@ -130,8 +113,7 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
                                  i / Fp8GemmConfig::kBlockK,
                                  h / 128,
                                  a.expert_offsets,
-                                 a.status,
-                                 stagger};
+                                 a.status};
   launch<false>(down, a.num_sms, stream);
 }
 

@@ -77,8 +77,7 @@ void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b
                               ceil_div(k, Fp8GemmConfig::kBlockK),
                               ceil_div(n, 128),
                               offsets,
-                              status,
-                              1};
+                              status};
   const int smem = static_cast<int>(sizeof(Fp8ScaledGemmSharedStorage));
   check(cudaFuncSetAttribute(fp8_scaled_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "set shared memory");

@@ -77,9 +77,6 @@ inline auto fp8_tma_b_half(const float_e4m3_t* ptr, int n, int k, int experts) {
   return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8SmemLayoutHalves{}(_, _, 0), Shape<_64, Int<Fp8GemmConfig::kBlockK>>{});
 }
 
-// Named barrier of the staggered consumers (ids 1-3 are the epilogues').
-inline constexpr int kStaggerBarrier = 4;
-
 struct Fp8ScaledGemmParams {
   decltype(fp8_tma_a(nullptr, 1, 1)) tma_a;
   decltype(fp8_tma_b(nullptr, 1, 1, 1)) tma_b;                     // the store form's b
@@ -96,7 +93,6 @@ struct Fp8ScaledGemmParams {
   int b_scale_rows;            // ceil(n / 128)
   const int32_t* offsets;      // [experts + 1], 128-row aligned
   int32_t* status;
-  int stagger_warpgroups;      // 1: consumer 1 starts each tile a product after consumer 0 (the kernel says why)
 };
 
 struct Fp8ScaledGemmSharedStorage {
@@ -214,12 +210,6 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const int64_t scale_row = int64_t(t.expert) * p.b_scale_rows + (kGateUp ? t.n_block / 2 : t.n_block);
       const float* sb = p.b_scales + scale_row * p.k_blocks;
       const float* su = kGateUp ? p.up_scales + scale_row * p.k_blocks : sb;
-      // Staggered warpgroups: consumer 1 starts the tile's first k-block only once consumer 0's
-      // first product is complete. Started together (as every tile does, after the epilogue's
-      // barriers), their wgmma batches interleave, finish together, and both promote while the
-      // tensor cores idle, tile after tile; one batch apart, each promotes under the other's batch.
-      const bool stagger = p.stagger_warpgroups != 0;
-      if (stagger && thread >= 128) asm volatile("bar.sync %0, 256;" ::"r"(kStaggerBarrier) : "memory");
       // Each k-block's weight scales are read one k-block ahead: the load's latency is off the
       // promotion that needs them.
       float next_b = __ldg(sb + t.k_begin), next_up = kGateUp ? __ldg(su + t.k_begin) : next_b;
@@ -242,8 +232,6 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tmp);
-        if (stagger && thread < 128 && kb == t.k_begin)
-          asm volatile("bar.arrive %0, 256;" ::"r"(kStaggerBarrier) : "memory");
         const float a0 = smem.a_scales[s][r0], a1 = smem.a_scales[s][r0 + 8];
         pipeline.consumer_release(state);  // the scales and operands of stage s are read
         ++state;
