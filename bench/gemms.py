@@ -26,6 +26,20 @@ MoK's steps do more than torch's (the SwiGLU and its backward fused, three weigh
 launches where torch takes two): the ratio is torch's time over MoK's. Rows per expert are
 multiples of 128 so both see the same rows (MoK pads each expert to 128 rows).
 
+Two more steps, asked for by name (``--steps fwd_fp8,fwd_fp8_vs_bf16``; hidden and intermediate
+multiples of 128), time the whole forward on e4m3 operands, MoK's ``experts_forward_fp8``
+(block scales: 1 x 128 rows, 128 x 128 weights; h quantized inside) against:
+
+====================  ==========================================================================
+fwd_fp8               torch's fp8 forward with row-wise scales: ``torch._scaled_grouped_mm`` for
+                      gate|up, the SwiGLU, h quantized row-wise in torch, ``_scaled_grouped_mm``
+fwd_fp8_vs_bf16       torch's bf16 forward: ``_grouped_mm``, the SwiGLU, ``_grouped_mm``
+====================  ==========================================================================
+
+x and the weights are quantized once, outside the timing (in the layer a rank quantizes x before
+the dispatch, and the weights once per step). MoK's y is checked against the bf16 forward's with
+the e4m3 tolerance (--fp8-tolerance).
+
     python -m bench.gemms --out bench/results/<dir>/gemms_1gpu_h200.md   [--presets ...] [--rows 512,4096]
 """
 
@@ -50,13 +64,20 @@ from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
 STEPS = ("gate_up", "down", "dgrad", "dgrad_act", "dh_act", "dx", "wgrad")
+FP8_STEPS = ("fwd_fp8", "fwd_fp8_vs_bf16")  # by name only (not every preset has whole 128-blocks)
 
 
 def step_flops(step: str, rows: int, hidden: int, intermediate: int) -> float:
     """FLOPs of a step's GEMMs (the fused elementwise work is not counted)."""
     mhi = float(rows) * hidden * intermediate
     return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "dgrad_act": 6 * mhi, "dh_act": 2 * mhi,
-            "dx": 4 * mhi, "wgrad": 6 * mhi}[step]
+            "dx": 4 * mhi, "wgrad": 6 * mhi, "fwd_fp8": 6 * mhi, "fwd_fp8_vs_bf16": 6 * mhi}[step]
+
+
+def rowwise_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's row-wise fp8: one fp32 scale per row (amax / 448) over the last dimension."""
+    scale = t.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 def balanced_counts(local_experts: int, rows_per_expert: int) -> list[int]:
@@ -136,7 +157,7 @@ def dense_tflops(n: int = 8192, iters: int = 20) -> float:
 
 def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, tolerance: float,
               kernels: Any = None, device: str = "cuda", steps: tuple[str, ...] = STEPS,
-              schedule: str = "default") -> list[Row]:
+              schedule: str = "default", fp8_tolerance: float = 0.08) -> list[Row]:
     """Every step of one shape: checked, then timed. ``kernels`` is mok._cuda_kernels (the default);
     the CPU plumbing test passes a torch stand-in with the same calls."""
     if kernels is None:
@@ -216,6 +237,44 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     def torch_wgrad() -> tuple[torch.Tensor, torch.Tensor]:
         return (torch._grouped_mm(scratch.dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), scratch.hw, offs=offs))
 
+    fp8_calls: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
+    fp8_errors: dict[str, float] = {}
+    if any(step in FP8_STEPS for step in steps):
+        if H % 128 or I % 128:
+            raise ValueError(f"{preset_name}: the fp8 steps need hidden and intermediate multiples of 128, got {H}, {I}")
+        xq = k.quantize_rows(x)
+        wq = [k.quantize_weights(w) for w in (w_gate, w_up, w_down)]
+        hq = (torch.empty(M, I, dtype=torch.float8_e4m3fn, device=dev), torch.empty(I // 128, M, device=dev))
+
+        def mok_fwd_fp8() -> None:
+            k.experts_forward_fp8(xq, offsets, *wq, h=h, y=y, h_codes=hq, gu=gu, swiglu_limit=limit, status=status)
+
+        x8, x8s = rowwise_e4m3(x)
+        wgu8, wgu8s = rowwise_e4m3(w_gu)
+        wd8, wd8s = rowwise_e4m3(w_down)
+
+        def torch_fwd_fp8() -> torch.Tensor:
+            a = torch._scaled_grouped_mm(x8, wgu8.transpose(-2, -1), x8s, wgu8s, offs=offs, out_dtype=bf)
+            h8, h8s = rowwise_e4m3(testing.swiglu(a[:, :I], a[:, I:], limit))
+            return torch._scaled_grouped_mm(h8, wd8.transpose(-2, -1), h8s, wd8s, offs=offs, out_dtype=bf)
+
+        def torch_fwd_bf16() -> torch.Tensor:
+            a = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(testing.swiglu(a[:, :I], a[:, I:], limit), w_down.transpose(-2, -1), offs=offs)
+
+        y.fill_(float("nan"))
+        mok_fwd_fp8()
+        want = torch_fwd_bf16()
+        fp8_errors["fwd_fp8"] = fp8_errors["fwd_fp8_vs_bf16"] = rel_error(y, want)  # MoK's, checked below
+        try:  # torch's fp8 grouped GEMM: its y against the same bf16 forward, for the record
+            print(f"{preset_name} {El}x{rows_per_expert}: fp8 y against the bf16 forward's, relative L2 error: "
+                  f"MoK {fp8_errors['fwd_fp8']:.3e}, torch row-wise {rel_error(torch_fwd_fp8(), want):.3e}", flush=True)
+            fp8_calls["fwd_fp8"] = (mok_fwd_fp8, torch_fwd_fp8)
+        except (RuntimeError, NotImplementedError) as e:
+            print(f"{preset_name}: torch._scaled_grouped_mm is not usable here ({e}); fwd_fp8 is skipped",
+                  file=sys.stderr)
+        fp8_calls["fwd_fp8_vs_bf16"] = (mok_fwd_fp8, torch_fwd_bf16)
+
     # Each MoK step runs first on fresh (poisoned) outputs, and every output it writes is checked:
     # its GEMMs' against torch's on the same inputs, its fused elementwise work (SwiGLU, its
     # backward, d row weight) against mok.testing's fp32 formulas on torch's GEMM outputs.
@@ -248,10 +307,15 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
     calls = dict(gate_up=(mok_gate_up, torch_gate_up), down=(mok_down, torch_down), dgrad=(mok_dgrad, torch_dgrad),
                  dgrad_act=(mok_dgrad, torch_dgrad_act), dh_act=(mok_dh_act, torch_dh_act), dx=(mok_dx, torch_dx),
                  wgrad=(mok_wgrad, torch_wgrad))
+    errors |= fp8_errors
+    calls |= fp8_calls
     for step in steps:  # the steps asked for (the name once held the table of calls: every step ran)
-        if not errors[step] <= tolerance:  # NaN fails too
+        if step not in calls:
+            continue  # an fp8 baseline torch cannot run here (said above)
+        limit_here = fp8_tolerance if step in FP8_STEPS else tolerance
+        if not errors[step] <= limit_here:  # NaN fails too
             raise RuntimeError(f"{preset_name} {El}x{rows_per_expert} {step}: MoK differs from torch "
-                               f"(relative L2 error {errors[step]:.3e} > {tolerance})")
+                               f"(relative L2 error {errors[step]:.3e} > {limit_here})")
         ours, theirs = calls[step]
         # Interleaved twice: the power cap moves the clocks between measurements.
         mok_times, torch_times = [], []
@@ -268,18 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--rows", default="512,1024,4096", help="rows per expert (multiples of 128)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--steps", default=",".join(STEPS), help="which of " + ",".join(STEPS))
+    ap.add_argument("--steps", default=",".join(STEPS), help="which of " + ",".join(STEPS + FP8_STEPS))
     ap.add_argument("--schedules", default="default",
                     help="the expert kernels' schedules to time, one after the other on each shape: default (each "
                          "launch's own), or cooperative / pingpong for all (MOK_EXPERT_SCHEDULE); a '+rows' suffix "
                          "times the weight gradients in the rows tile order (MOK_WGRAD_TILES=rows; default columns); "
                          "torch is timed again beside each")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative L2 error allowed against torch")
+    ap.add_argument("--fp8-tolerance", type=float, default=0.08,
+                    help="the fp8 steps' relative L2 error allowed against torch's bf16 forward (e4m3: 3 mantissa bits)")
     ap.add_argument("--out", type=Path, required=True, help="the markdown table; the JSON goes next to it")
     args = ap.parse_args(argv)
     steps = tuple(args.steps.split(","))
     schedules = args.schedules.split(",")
-    unknown = [s for s in steps if s not in STEPS] + [
+    unknown = [s for s in steps if s not in STEPS + FP8_STEPS] + [
         s for s in schedules if s.removesuffix("+rows") not in ("default", "cooperative", "pingpong")]
     if unknown:
         ap.error(f"unknown step or schedule: {', '.join(unknown)}")
@@ -306,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ["MOK_WGRAD_TILES"] = "rows"
                 else:
                     os.environ.pop("MOK_WGRAD_TILES", None)
-                shape_rows = run_shape(preset, rpe, dense, args.iters, args.tolerance, steps=steps, schedule=schedule)
+                shape_rows = run_shape(preset, rpe, dense, args.iters, args.tolerance, steps=steps, schedule=schedule,
+                                       fp8_tolerance=args.fp8_tolerance)
                 for row in shape_rows:
                     rows.append(row)
                     print(f"{row.preset:16s} {row.local_experts:3d} x {row.rows_per_expert:5d} {row.step:8s} {row.schedule:11s} "
