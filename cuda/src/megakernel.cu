@@ -241,7 +241,6 @@ void wire_pass(detail::MegaPassParams& p, const Args& a, void* ring_x, int64_t r
   p.done_ctas = a.counters + counters.done_ctas();
   p.task_claims = a.counters + counters.task_claims();
   p.claim_tasks = a.claim_tasks ? 1 : 0;
-  p.gang_tasks = a.gang_tasks ? 1 : 0;
   p.skip_padding_halves = a.skip_padding_halves ? 1 : 0;
   p.status = detail::WaitStatus{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
 #ifdef MOK_EXPERIMENTS
@@ -840,10 +839,6 @@ std::string describe_wait_status(const int32_t w[kFailureWords]) {
     case detail::kWaitDgradTiles:
       out << "rank " << rank << " timed out in the backward waiting for the dh tiles of row block " << where << " ("
           << seen << " done)";
-      break;
-    case detail::kWaitGang:
-      out << "rank " << rank << " timed out waiting for the other tasks of task " << where
-          << "'s gang to be claimed (the claim counter at " << seen << ")";
       break;
     case detail::kWaitBarrier:
       out << "rank " << rank << " timed out at the start barrier waiting for rank " << where << " (saw epoch " << seen

@@ -47,7 +47,6 @@ struct RunConfig {
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
   bool claim_tasks = true;          // both passes' claim_tasks (false: the static order c + j CTAs)
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
-  bool gang_tasks = false;          // both passes' gang_tasks
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -241,7 +240,6 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.claim_tasks = cfg.claim_tasks;
-      a.gang_tasks = cfg.gang_tasks;
       a.skip_padding_halves = cfg.skip_padding_halves;
       a.swiglu_limit = d.swiglu_limit;
       if (cfg.rank1_other_call && r == 1) a.swiglu_limit = d.swiglu_limit ? std::nullopt : std::optional<float>(0.5f);
@@ -273,7 +271,6 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       rk.buffers->wire(b);  // the forward's schedule and rows (the ring holds every row), the scratch
       b.gu = rk.gu->ptr;
       b.claim_tasks = cfg.claim_tasks;
-      b.gang_tasks = cfg.gang_tasks;
       b.skip_padding_halves = cfg.skip_padding_halves;
       if (cfg.replays(r)) {  // rows rebuilt from every rank's x, still in its symmetric buffer
         b.replay = true;
@@ -502,23 +499,20 @@ TEST_P(Megakernel, MatchesTheReferenceAndIsBitwiseStable) {
   const auto staged = staged_forward(in);
   for (int r = 0; r < c.desc.ranks; ++r)
     EXPECT_EQ(first_bit_difference(first.y[r], staged[r]), -1) << "y rank " << r << " differs from the staged path";
-  // Other minibatch, ring and comm sizes, the static task order, tasks started in gangs, and one
-  // more fresh run: the same bits.
-  std::vector<RunConfig> others(7);
+  // Other minibatch, ring and comm sizes, the static task order, and one more fresh run: the same bits.
+  std::vector<RunConfig> others(5);
   others[0].minibatch_rows = 256, others[0].ring_slots = 1, others[0].comm_ctas = 1;
   others[1].minibatch_rows = 128, others[1].ring_slots = 64, others[1].comm_ctas = 5;
   others[2].minibatch_rows = 384, others[2].ring_slots = 3;
   others[3].claim_tasks = false;
   others[4].claim_tasks = false, others[4].minibatch_rows = 256, others[4].ring_slots = 1, others[4].comm_ctas = 2;
-  others[5].gang_tasks = true;
-  others[6].gang_tasks = true, others[6].minibatch_rows = 256, others[6].ring_slots = 1, others[6].comm_ctas = 1;
   for (const RunConfig& cfg : others) {
     const Outputs again = run_forward(in, cfg, 1);
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(again.errors[r], "") << "rank " << r;
       EXPECT_EQ(first_bit_difference(again.y[r], first.y[r]), -1)
           << "y rank " << r << " differs with minibatch " << cfg.minibatch_rows << " x " << cfg.ring_slots << " slots"
-          << (cfg.claim_tasks ? "" : ", static task order") << (cfg.gang_tasks ? ", gangs" : "");
+          << (cfg.claim_tasks ? "" : ", static task order");
       EXPECT_EQ(first_bit_difference(again.gu[r], first.gu[r]), -1)
           << "g|u rank " << r << " differs with minibatch " << cfg.minibatch_rows;
     }
@@ -616,24 +610,21 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   // A fresh set of buffers, one run: the same bits.
   expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
   // The stage kernels, the backward megakernel with other minibatches (one in the static task
-  // order with every MMA, one with its tasks started in gangs), and both replaying the rows of a
-  // forward that kept only its schedule (its ring two minibatches): the same bits.
+  // order with every MMA), and both replaying the rows of a forward that kept only its schedule
+  // (its ring two minibatches): the same bits.
   for (const auto& [stages, minibatch, replay, fixed] :
        {std::tuple{true, int64_t(128), false, false}, std::tuple{false, int64_t(256), false, false},
         std::tuple{false, int64_t(384), false, false}, std::tuple{false, int64_t(128), true, false},
-        std::tuple{true, int64_t(128), true, false}, std::tuple{false, int64_t(256), false, true},
-        std::tuple{false, int64_t(128), false, false}}) {
+        std::tuple{true, int64_t(128), true, false}, std::tuple{false, int64_t(256), false, true}}) {
     RunConfig other = cfg;
     other.stage_backward = stages;
     other.minibatch_rows = minibatch;
     other.replay = replay;
     other.claim_tasks = !fixed;
     other.skip_padding_halves = !fixed;
-    other.gang_tasks = !stages && minibatch == 128 && !replay;  // the last one
     const Outputs o = run_forward(in, other, 1);
     const std::string how = std::string(stages ? " (stage kernels" : " (minibatch " + std::to_string(minibatch)) +
-                            (replay ? ", replay" : "") + (fixed ? ", static order, every MMA" : "") +
-                            (other.gang_tasks ? ", gangs)" : ")");
+                            (replay ? ", replay" : "") + (fixed ? ", static order, every MMA)" : ")");
     for (int r = 0; r < c.desc.ranks; ++r) {
       ASSERT_EQ(o.errors[r], "") << "rank " << r << how;
       if (replay) EXPECT_EQ(first_bit_difference(a.gu[r], o.gu[r]), -1) << "replayed g|u rank " << r << how;

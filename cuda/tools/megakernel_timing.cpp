@@ -48,42 +48,34 @@ struct Shape {
 };
 
 // Variants of a pass, round-robin 3 times each: claimed tasks or the static order (claim_tasks),
-// each with and without the padding halves' MMA (skip_padding_halves); claimed tasks started in
-// gangs (gang_tasks); and for the backward its stage kernels (`stages`). The clocks drift under
-// the power cap, so one of each would compare moments. Each round starts one variant later (round
-// r runs variant r first): with a fixed order the backward's default, always run right after the
-// stage kernels, measured 3.7% slower than the same work with its padding flag off (session 17,
-// Kimi K2 at 8192 tokens, where no half is all padding). Prints and returns the medians; the first
-// variant is the default.
-struct Knobs {
-  bool claim_tasks = true, skip_padding_halves = true, gang_tasks = false, stages = false;
-};
+// each with and without the padding halves' MMA (skip_padding_halves), and for the backward its
+// stage kernels (`stages`). The clocks drift under the power cap, so one of each would compare
+// moments. Each round starts one variant later (round r runs variant r first): with a fixed order
+// the backward's default, always run right after the stage kernels, measured 3.7% slower than the
+// same work with its padding flag off (session 17, Kimi K2 at 8192 tokens, where no half is all
+// padding). Prints and returns the medians; the first variant is the default.
 template <class Call>
-std::vector<float> time_variants(Call call, Knobs& knobs, bool with_stages = false) {
-  struct Variant {
-    const char* name;
-    Knobs knobs;
-  };
-  const Variant all[6] = {{"claimed, skipping", {true, true, false, false}},
-                          {"claimed, every MMA", {true, false, false, false}},
-                          {"static, skipping", {false, true, false, false}},
-                          {"static, every MMA", {false, false, false, false}},
-                          {"claimed in gangs", {true, true, true, false}},
-                          {"stage kernels", {true, true, false, true}}};
-  const int variants = with_stages ? 6 : 5;
-  std::vector<float> times[6];
+std::vector<float> time_variants(Call call, bool& claim_tasks, bool& skip_padding_halves, bool* stages = nullptr) {
+  const char* names[5] = {"claimed, skipping", "claimed, every MMA", "static, skipping", "static, every MMA",
+                          "stage kernels"};
+  const int variants = stages != nullptr ? 5 : 4;
+  std::vector<float> times[5];
   for (int round = 0; round < 3; ++round) {
     for (int i = 0; i < variants; ++i) {
       const int v = (i + round) % variants;
-      knobs = all[v].knobs;
+      claim_tasks = v < 2;
+      skip_padding_halves = v % 2 == 0;
+      if (stages != nullptr) *stages = v == 4;
       times[v].push_back(time_ms(call, 10, /*warmup=*/2));
     }
   }
-  knobs = Knobs{};
+  claim_tasks = true;
+  skip_padding_halves = true;
+  if (stages != nullptr) *stages = false;
   std::vector<float> medians;
   for (int v = 0; v < variants; ++v) {
     std::sort(times[v].begin(), times[v].end());
-    std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", all[v].name, times[v][0], times[v][1], times[v][2]);
+    std::printf("  %-19s %8.3f %8.3f %8.3f ms (sorted)\n", names[v], times[v][0], times[v][1], times[v][2]);
     medians.push_back(times[v][1]);
   }
   return medians;
@@ -161,7 +153,7 @@ void run(const Shape& s) {
   }
   mok::cuda::preload_kernels();  // before any rank's barrier spins
   uint32_t epoch = 0;
-  Knobs knobs;
+  bool claim_tasks = true, skip_padding_halves = true;
   // What both passes' arguments share (MoeForwardArgs and MoeBackwardArgs use the same names).
   auto wire = [&](auto& a, int r) {
     RankData& rd = ranks[r];
@@ -174,9 +166,8 @@ void run(const Shape& s) {
     a.gu = rd.gu;  // (the forward's: null for inference)
     a.epoch = epoch;
     a.num_sms = ctas;
-    a.claim_tasks = knobs.claim_tasks;
-    a.skip_padding_halves = knobs.skip_padding_halves;
-    a.gang_tasks = knobs.gang_tasks;
+    a.claim_tasks = claim_tasks;
+    a.skip_padding_halves = skip_padding_halves;
   };
   auto fused = [&]() {
     ++epoch;
@@ -192,6 +183,7 @@ void run(const Shape& s) {
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
   if (backward) {
     fused();  // the forward whose rows the backward calls read
+    bool stages = false;
     auto fused_backward = [&]() {
       ++epoch;
       for (int r = 0; r < R; ++r) {
@@ -203,24 +195,24 @@ void run(const Shape& s) {
         b.d_w_down = rd.dwd;
         b.dx = rd.dx;
         b.d_topk_w = rd.d_topk_w;
-        b.fused = !knobs.stages;
+        b.fused = !stages;
         mok::cuda::moe_backward(b, rd.stream);
       }
       for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
     };
-    const std::vector<float> t = time_variants(fused_backward, knobs, /*with_stages=*/true);
+    const std::vector<float> t = time_variants(fused_backward, claim_tasks, skip_padding_halves, &stages);
     int32_t words[mok::cuda::kFailureWords];
     CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
     const std::string status = mok::cuda::describe_wait_status(words);
     std::printf("H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, minibatch %lld | backward "
-                "megakernel %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f, gangs %8.3f) | "
-                "stage kernels %8.3f ms%s%s\n",
+                "megakernel %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f) | stage kernels "
+                "%8.3f ms%s%s\n",
                 (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas,
-                (long long)c.minibatch_rows, t[0], t[1], t[2], t[4], t[5], status.empty() ? "" : " | ", status.c_str());
+                (long long)c.minibatch_rows, t[0], t[1], t[2], t[4], status.empty() ? "" : " | ", status.c_str());
     return;
   }
-  const std::vector<float> t = time_variants(fused, knobs);
-  const float t_fused = t[0], t_every_mma = t[1], t_static = t[2], t_gangs = t[4];
+  const std::vector<float> t = time_variants(fused, claim_tasks, skip_padding_halves);
+  const float t_fused = t[0], t_every_mma = t[1], t_static = t[2];
   int32_t words[mok::cuda::kFailureWords];
   CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
   const std::string status = mok::cuda::describe_wait_status(words);
@@ -263,11 +255,10 @@ void run(const Shape& s) {
   const double flops = 6.0 * double(used) * double(H) * double(I);
   std::printf(
       "H=%-5lld I=%-5lld E=%-4lld k=%-2lld T=%-6lld R=%lld | %d CTAs/rank, comm %d, minibatch %lld, ring %lld | "
-      "fused %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f, gangs %8.3f) | GEMMs alone %8.3f "
-      "ms (rank 0, "
+      "fused %8.3f ms (all ranks, the default; every MMA %8.3f, static order %8.3f) | GEMMs alone %8.3f ms (rank 0, "
       "%lld rows, %.0f TF/s) | fused/GEMMs %.2f%s%s\n",
       (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas, c.comm_sms,
-      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_every_mma, t_static, t_gangs, t_gemms, (long long)used,
+      (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_every_mma, t_static, t_gemms, (long long)used,
       flops / (t_gemms * 1e-3) / 1e12, t_fused / t_gemms, status.empty() ? "" : " | ", status.c_str());
 }
 

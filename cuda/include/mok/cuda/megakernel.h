@@ -84,11 +84,6 @@ struct MoeForwardArgs {
   // task from a counter when its producer is free; false, CTA c takes tasks c, c + CTAs, ...
   // The same bits either way (detail::take_task).
   bool claim_tasks = true;
-  // With claim_tasks: a producer loads a claimed task only once every task of its gang is claimed
-  // (the row blocks of its group that read the same weight tile), so that the CTAs computing them
-  // start together and their reads of each weight k-block meet in the L2 (session 18). The same
-  // bits either way.
-  bool gang_tasks = false;
   // A tile whose second 64 rows are all padding (a segment's last row block, where the segment
   // ends at most 64 rows into it): that half gets no MMA. Its outputs are not stored either way,
   // so every token row's bits are the same. Off only to measure what it saves.
@@ -166,7 +161,6 @@ struct MoeBackwardArgs {
   double timeout_s = 10.0;
   int num_sms = 0;     // CTAs of the backward megakernel (0 = all SMs)
   bool claim_tasks = true;          // as MoeForwardArgs's, for the backward megakernel's tasks
-  bool gang_tasks = false;          // as MoeForwardArgs's
   bool skip_padding_halves = true;  // as MoeForwardArgs's: the backward megakernel's dh and dx tiles
   // true: the backward megakernel (needs minibatch_rows and counters: FusedBuffers::wire sets
   // them); false: the stage kernels. The C API and mok.moe take the planner's choice.

@@ -94,7 +94,6 @@ enum WaitCode : int32_t {
   kWaitDyRows = 22,      // the backward's GEMMs waited for the dy rows of minibatch `where`
   kWaitDgradTiles = 23,  // the backward's second GEMM or weight gradients waited for the dh tiles of row block `where`
   kCallMismatch = 24,    // the start barrier: rank `where` makes a different call (shapes or pass)
-  kWaitGang = 25,        // a producer waited for the other tasks of task `where`'s gang to be claimed
 };
 // The tile scheduler's status for a call given up before the megakernel's launch (no tasks).
 inline constexpr int32_t kCallGivenUp = 3;
@@ -152,7 +151,6 @@ struct MegaPassParams {
   uint32_t* done_ctas;               // [1]
   uint32_t* task_claims;             // [1]: the next task to claim (claim_tasks)
   int32_t claim_tasks;               // 1: compute CTAs claim tasks from task_claims; 0: c + j ctas (take_task)
-  int32_t gang_tasks;                // 1 (with claim_tasks): a task's loads wait until its gang is claimed (MegaTask)
   WaitStatus status;                 // with the call's epoch, which the arrival words are set to
   const uint4* x[kMaxRanks];               // [T, H] on each rank: what is pulled (x, or dy)
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
@@ -182,10 +180,6 @@ struct MegaTask {
   int minibatch;
   int row_block;  // global row block of the schedule
   GroupedTile tile;
-  // The gang: the consecutive tasks [gang_first, gang_first + gang_size) that read the same weight
-  // tile (the row blocks of the task's group at its column, a GEMM of one minibatch; a weight
-  // gradient tile alone).
-  int gang_first, gang_size;
 };
 
 // The task order of a two-GEMM pass (forward: gate/up then down; backward: dgrad of down then of
@@ -235,8 +229,6 @@ struct MegaTasks {
     constexpr int kRows = OperandConfig<bfloat16_t>::kBlockK;  // rows per k-block (bf16)
     task.tile.k_begin = s.offsets[task.tile.expert] / kRows;
     task.tile.k_end = task.tile.row_end / kRows;
-    task.gang_first = linear;
-    task.gang_size = 1;
     return task;
   }
 
@@ -293,8 +285,6 @@ struct MegaTasks {
     task.tile.row_end = s.offsets[expert + 1];
     task.tile.k_begin = 0;
     task.tile.k_end = task.second ? p.k_second : p.k_first;
-    task.gang_first = linear - in_group % group_rows;
-    task.gang_size = group_rows;
     return task;
   }
 };
@@ -709,15 +699,6 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           wait_at_least<false>(&p.x_ready[task.minibatch], pulling_teams(p), p.status, Params::kWaitFirst,
                                task.minibatch);
         }
-        // Gangs: the CTAs of the tasks that read one weight tile start them together, so that
-        // their loads of each of its k-blocks meet in the L2 as in the expert kernels' static
-        // order, where such CTAs run in lockstep (claimed tasks start a claim apart; session 18).
-        // The wait ends once the gang's last task is claimed; only the gang holding the
-        // counter's next task can be incomplete, and tasks before it never depend on it, so the
-        // CTAs holding them go on claiming (a gang larger than the CTAs could not fill).
-        if (p.gang_tasks && p.claim_tasks && task.gang_size > 1 && task.gang_size <= ctas)
-          wait_at_least<false>(p.task_claims, uint32_t(min(task.gang_first + task.gang_size, total)), p.status,
-                               kWaitGang, linear);
         fence_proxy_async();  // the rows the counter announced are read by TMA
         load_task<Mainloop>(task.second ? p.second_load : p.first_load, smem, task.tile,
                             linear | (padding_half ? kPaddingHalfFlag : 0), pipeline, state);
