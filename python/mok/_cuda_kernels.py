@@ -141,18 +141,6 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
         raise ValueError(error.value.decode())
 
 
-def _require_cuda(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device | None = None) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if not t.is_cuda or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CUDA tensor")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
 def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled e4m3 rows of x [rows, cols] bf16: (codes [rows, cols] float8_e4m3fn, scales f32), one
     power-of-two scale per row and 128 columns: [ceil(cols / 128), rows] when k_major (what
@@ -160,7 +148,7 @@ def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tenso
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, cols], got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    _require_cuda("x", x, (rows, cols), torch.bfloat16)
+    _check_tensors((("x", x, (rows, cols), torch.bfloat16),))
     blocks = math.ceil(cols / 128)
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((blocks, rows) if k_major else (rows, blocks), dtype=torch.float32, device=x.device)
@@ -178,7 +166,7 @@ def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() != 3:
         raise ValueError(f"w must be [planes, rows, cols], got shape {tuple(w.shape)}")
     planes, rows, cols = w.shape
-    _require_cuda("w", w, (planes, rows, cols), torch.bfloat16)
+    _check_tensors((("w", w, (planes, rows, cols), torch.bfloat16),))
     codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty((planes, math.ceil(rows / 128), math.ceil(cols / 128)), dtype=torch.float32, device=w.device)
     error = ctypes.create_string_buffer(512)
@@ -211,8 +199,7 @@ def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Ten
              ("h codes", hq, (rows, I), torch.float8_e4m3fn), ("h scales", hs, (math.ceil(I / 128), rows), torch.float32)]
     if gu is not None:
         specs.append(("gu", gu, (rows, 2 * I), torch.bfloat16))
-    for name, t, shape, dtype in specs:
-        _require_cuda(name, t, shape, dtype, dev)
+    _check_tensors(tuple(specs), dev)
     if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or offsets.device != dev:
         raise ValueError(f"offsets must be int32 [{El + 1}] on {dev}, got {offsets.dtype} {tuple(offsets.shape)} "
                          f"on {offsets.device}")

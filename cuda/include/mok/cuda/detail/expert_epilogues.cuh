@@ -174,6 +174,30 @@ __device__ __forceinline__ void store_chunk(bfloat16_t* staging, int chunk, cons
   }
 }
 
+// store_chunk of saved g or u values (value i and i + 1 of the accumulator a pair), as the
+// backward reads them: bf16, and with a limit each kept on its own side of the clamp band
+// [lo, limit] (save_for_clamp). One uniform branch per chunk, not per value: without a limit a
+// chunk is 16 conversions.
+template <int kI0, class Target, class Coords, class Acc>
+__device__ __forceinline__ void store_saved_chunk(bfloat16_t* staging, int chunk, const Target& target,
+                                                  const Coords& coords, int col0, int m_block, int n_chunk,
+                                                  int thread, const Acc& acc, bool has_limit, float lo, float limit) {
+  if (has_limit) {
+    store_chunk<kI0>(staging, chunk, target, coords, col0, m_block, n_chunk, 0, thread, [&](auto i_) {
+      constexpr int i = decltype(i_)::value;
+      __nv_bfloat162 v;
+      v.x = save_for_clamp(acc(i), lo, limit);
+      v.y = save_for_clamp(acc(i + 1), lo, limit);
+      return v;
+    });
+  } else {
+    store_chunk<kI0>(staging, chunk, target, coords, col0, m_block, n_chunk, 0, thread, [&](auto i_) {
+      constexpr int i = decltype(i_)::value;
+      return __floats2bfloat162_rn(acc(i), acc(i + 1));
+    });
+  }
+}
+
 // Called once by every consumer thread after its last tile: the bulk stores have completed.
 __device__ __forceinline__ void drain_stores(int thread) {
   if (thread == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -204,25 +228,9 @@ struct SwiGluEpilogueOf {
         const float lo = plane == 0 ? -INFINITY : -p.limit;
         static_for<2>([&](auto c_) {
           constexpr int c = decltype(c_)::value;
-          auto store = [&](auto value) {
-            store_chunk<32 * c + 64 * plane>(staging, 2 * plane + c, plane == 0 ? p.g : p.u, coords,
-                                             64 * c + 128 * plane, t.save_m_block, 2 * t.n_block + c, 0, thread, value);
-          };
-          // One uniform branch per chunk, not per value: without a limit a chunk is 16 conversions.
-          if (p.has_limit) {
-            store([&](auto i_) {
-              constexpr int i = decltype(i_)::value;
-              __nv_bfloat162 v;
-              v.x = save_for_clamp(acc(i), lo, p.limit);
-              v.y = save_for_clamp(acc(i + 1), lo, p.limit);
-              return v;
-            });
-          } else {
-            store([&](auto i_) {
-              constexpr int i = decltype(i_)::value;
-              return __floats2bfloat162_rn(acc(i), acc(i + 1));
-            });
-          }
+          store_saved_chunk<32 * c + 64 * plane>(staging, 2 * plane + c, plane == 0 ? p.g : p.u, coords,
+                                                 64 * c + 128 * plane, t.save_m_block, 2 * t.n_block + c, thread, acc,
+                                                 p.has_limit, lo, p.limit);
         });
       });
     }

@@ -251,26 +251,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
           static_for<2>([&](auto plane_) {
             constexpr int plane = decltype(plane_)::value;
             const float lo = plane == 0 ? -INFINITY : -p.limit;
-            auto save = [&](auto value) {
-              store_chunk<32 * plane>(smem.staging[0], chunk, plane == 0 ? p.g : p.u, tCcC, 64 * plane, t.m_block,
-                                      t.n_block, 0, thread, value);
-            };
-            // One uniform branch per chunk, not per value (as the bf16 SwiGLU epilogue).
-            if (p.has_limit) {
-              save([&](auto i_) {
-                constexpr int i = decltype(i_)::value;
-                __nv_bfloat162 v;
-                v.x = save_for_clamp(acc(i), lo, p.limit);
-                v.y = save_for_clamp(acc(i + 1), lo, p.limit);
-                return v;
-              });
-            } else {
-              save([&](auto i_) {
-                constexpr int i = decltype(i_)::value;
-                return __floats2bfloat162_rn(acc(i), acc(i + 1));
-              });
-            }
-            ++chunk;
+            store_saved_chunk<32 * plane>(smem.staging[0], chunk++, plane == 0 ? p.g : p.u, tCcC, 64 * plane,
+                                          t.m_block, t.n_block, thread, acc, p.has_limit, lo, p.limit);
           });
         }
         store_chunk<0>(smem.staging[0], chunk++, p.out, tCcC, 0, t.m_block, t.n_block, 0, thread, [&](auto i_) {
