@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "mok/core/cpu_gemm.h"
 #include "mok/core/error.h"
@@ -293,8 +294,11 @@ template <class Real>
 void validate_inputs(const LayerInputs<Real>& in) {
   const MoeDesc& d = in.desc;
   d.validate();
-  MOK_REQUIRE(d.precision == Precision::bf16, "the CPU reference implements precision bf16 only, got ",
-              to_string(d.precision));
+  if (d.precision == Precision::fp8_block) {
+    MOK_REQUIRE((std::is_same_v<Real, float>), "precision fp8_block is computed in float (its oracle's type) only");
+    MOK_REQUIRE(!d.has_shared() || d.shared_intermediate % fp8::kBlock == 0,
+                "fp8_block needs shared_intermediate % 128 == 0 (128-wide scale blocks), got ", d.shared_intermediate);
+  }
   const int64_t R = d.ranks, T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
   MOK_REQUIRE(static_cast<int64_t>(in.x.size()) == R, "x is given for ", in.x.size(), " ranks, expected ", R);
   MOK_REQUIRE(static_cast<int64_t>(in.topk_idx.size()) == R, "topk_idx is given for ", in.topk_idx.size(),
@@ -339,6 +343,19 @@ LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding)
     x_ptrs.push_back(in.x[r].data());
   }
 
+  // The experts' MLP at the layer's precision: bf16, or block-scaled e4m3 GEMMs
+  // (experts_forward_fp8: float, bf16 rounding points) for the routed and the shared experts.
+  const bool fp8 = d.precision == Precision::fp8_block;
+  MOK_REQUIRE(!fp8 || rounding == Rounding::bf16,
+              "precision fp8_block has the GPU's rounding points: call it with Rounding::bf16");
+  auto experts_mlp = [&](const MlpShape& shape, const ExpertsView<Real>& w, std::span<const int64_t> offsets,
+                         const Real* x, Real* gu, Real* h, Real* y) {
+    if constexpr (std::is_same_v<Real, float>) {
+      if (fp8) return experts_forward_fp8(shape, w, offsets, x, gu, h, y);
+    }
+    experts_forward(shape, w, offsets, x, gu, h, y, rounding);
+  };
+
   LayerForward<Real> out;
   LayerContext<Real>& ctx = out.context;
   ctx.schedules = build_schedules(d, idx);
@@ -357,8 +374,7 @@ LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding)
     const ExpertsView<Real> w{in.routed.gate.data() + dst * El * I * H,
                               in.routed.up.data() + dst * El * I * H,
                               in.routed.down.data() + dst * El * H * I, El};
-    experts_forward(routed_shape, w, s.expert_offsets, x_rows.data(), gu.data(), h.data(),
-                    y_rows.data(), rounding);
+    experts_mlp(routed_shape, w, s.expert_offsets, x_rows.data(), gu.data(), h.data(), y_rows.data());
     scatter_slot_rows<Real>(s, H, y_rows.data(), combine_ptrs);
   }
 
@@ -371,8 +387,7 @@ LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding)
       y_shared.resize(static_cast<size_t>(T * H));
       const std::vector<int64_t> offsets{0, T};
       const ExpertsView<Real> sw{in.shared.gate.data(), in.shared.up.data(), in.shared.down.data(), 1};
-      experts_forward(shared_shape, sw, offsets, in.x[r].data(), sgu.data(), sh.data(),
-                      y_shared.data(), rounding);
+      experts_mlp(shared_shape, sw, offsets, in.x[r].data(), sgu.data(), sh.data(), y_shared.data());
     }
     combine_epilogue(T, H, k, d.has_shared() ? y_shared.data() : nullptr, combine[r].data(),
                      in.topk_w[r].data(), y.data(), rounding);

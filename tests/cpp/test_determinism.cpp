@@ -45,17 +45,22 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
   }
 }
 
-MoeDesc desc(int64_t T, int64_t R) {
+// fp8_block: whole 128-wide scale blocks (the routed and the shared experts' GEMMs in e4m3).
+MoeDesc desc(int64_t T, int64_t R, Precision precision = Precision::bf16) {
+  const bool fp8 = precision == Precision::fp8_block;
   MoeDesc d;
   d.tokens_per_rank = T;
-  d.hidden = 72;
-  d.intermediate = 40;
+  d.hidden = fp8 ? 256 : 72;
+  d.intermediate = fp8 ? 128 : 40;
   d.num_experts = 12;
   d.topk = 3;
   d.ranks = R;
-  d.shared_intermediate = 24;
+  d.shared_intermediate = fp8 ? 128 : 24;
+  d.precision = precision;
   return d;
 }
+
+void same_bits_for_any_number_of_ranks(Precision precision);
 
 TEST(Determinism, AnyThreadCountAndRepeatedRuns) {
   ThreadGuard guard;
@@ -75,17 +80,25 @@ TEST(Determinism, AnyThreadCountAndRepeatedRuns) {
 // The same global batch of 48 tokens split over R = 1, 2, 3, 4 ranks gives the same bits for
 // every per-token output and for the routed weight gradients (their reduction walks the
 // canonical order, which does not depend on R). The shared expert's weight gradient is each
-// rank's own partial sum, so only its total over ranks is compared, to rounding.
+// rank's own partial sum, so only its total over ranks is compared, to rounding. At both
+// precisions: fp8's quantization blocks are a row's (x, h) or an expert's (weights), never a rank's.
 TEST(Determinism, SameBitsForAnyNumberOfRanks) {
+  for (const Precision precision : {Precision::bf16, Precision::fp8_block}) {
+    SCOPED_TRACE(to_string(precision));
+    same_bits_for_any_number_of_ranks(precision);
+  }
+}
+
+void same_bits_for_any_number_of_ranks(Precision precision) {
   const int64_t N = 48;
-  const auto global = make_inputs<float>(desc(N, 1), RoutingKind::uniform, 21, true);
-  const auto global_dy = make_output_grad<float>(desc(N, 1), 21, true);
+  const auto global = make_inputs<float>(desc(N, 1, precision), RoutingKind::uniform, 21, true);
+  const auto global_dy = make_output_grad<float>(desc(N, 1, precision), 21, true);
   const Outputs base = run_layer(global, global_dy);
-  const MoeDesc gd = desc(N, 1);
+  const MoeDesc gd = desc(N, 1, precision);
   for (int64_t R : {2, 3, 4}) {
     const int64_t T = N / R;
     ref::LayerInputs<float> in;
-    in.desc = desc(T, R);
+    in.desc = desc(T, R, precision);
     in.routed = global.routed;
     in.shared = global.shared;
     std::vector<std::vector<float>> dy;

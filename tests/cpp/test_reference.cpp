@@ -264,6 +264,40 @@ TEST(Reference, BadInputIsNamed) {
                  "dy is given for 1 ranks, expected 2");
 }
 
+// The layer at precision fp8_block: the experts' GEMMs on e4m3 (experts_forward_fp8), the rest
+// as at bf16. Its y is near the bf16 layer's (e4m3's 3 mantissa bits on x, the weights and h) and
+// not equal to it; its backward is the bf16 one from its own saved rows; float and bf16 rounding
+// points only.
+TEST(Reference, Fp8LayerIsNearTheBf16Layer) {
+  const MoeDesc d = desc_of({"fp8", 40, 256, 128, 8, 2, 2, 128, 4.0f, RoutingKind::zipf});
+  const auto in = make_inputs<float>(d, RoutingKind::zipf, 17, true);
+  auto in8 = in;
+  in8.desc.precision = Precision::fp8_block;
+  const auto f = ref::layer_forward(in, ref::Rounding::bf16);
+  const auto f8 = ref::layer_forward(in8, ref::Rounding::bf16);
+  const auto y = flat(f.y), y8 = flat(f8.y);
+  const Comparison c = compare(y8, y);
+  EXPECT_TRUE(c.within(0.1)) << c.describe("fp8 y against bf16 y");
+  EXPECT_GT(c.rel_error, 1e-3) << "the fp8 layer computed the bf16 one";
+  const auto dy = make_output_grad<float>(d, 17, true);
+  const auto g = ref::layer_backward(in, f.context, dy, ref::Rounding::bf16);
+  const auto g8 = ref::layer_backward(in8, f8.context, dy, ref::Rounding::bf16);
+  const Comparison cx = compare(flat(g8.dx), flat(g.dx));
+  EXPECT_TRUE(cx.within(0.1)) << cx.describe("fp8 dx against bf16 dx");
+  const Comparison cw = compare(g8.d_routed.down, g.d_routed.down);
+  EXPECT_TRUE(cw.within(0.1)) << cw.describe("fp8 dW_down against bf16 dW_down");
+  expect_message([&] { ref::layer_forward(in8, ref::Rounding::none); }, "precision fp8_block has the GPU's rounding");
+  auto odd = in8;
+  odd.desc.shared_intermediate = 64;
+  odd.shared.gate.resize(64 * 256);
+  odd.shared.up.resize(64 * 256);
+  odd.shared.down.resize(256 * 64);
+  expect_message([&] { ref::layer_forward(odd, ref::Rounding::bf16); }, "fp8_block needs shared_intermediate % 128");
+  auto in8d = make_inputs<double>(d, RoutingKind::zipf, 17, true);
+  in8d.desc.precision = Precision::fp8_block;
+  expect_message([&] { ref::layer_forward(in8d, ref::Rounding::bf16); }, "computed in float");
+}
+
 TEST(Reference, StagesRejectBadOffsets) {
   const ref::MlpShape shape{8, 4, std::nullopt};
   std::vector<float> w(2 * 8 * 4), x(8 * 8), gu(8 * 8), h(8 * 4), y(8 * 8);

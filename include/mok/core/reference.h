@@ -148,6 +148,11 @@ struct LayerGrads {
 template <class Real>
 void validate_inputs(const LayerInputs<Real>& in);
 
+// The layer's forward over R emulated ranks. At desc.precision fp8_block (float, Rounding::bf16
+// only) the routed and the shared experts' MLPs are experts_forward_fp8 (a rank's x rows are
+// quantized per row, so where that happens, source or expert rank, changes no code); everything
+// else is the bf16 forward's. Its backward (layer_backward) is the bf16 one, from the saved bf16
+// x rows, g|u and h and the unquantized weights: the quantization passes gradients straight through.
 template <class Real>
 LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding);
 
