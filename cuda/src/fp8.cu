@@ -120,7 +120,7 @@ void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t c
 }
 
 static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
-                   bool k_major, const int32_t* rows_used, cudaStream_t stream) {
+                          bool k_major, const int32_t* rows_used, cudaStream_t stream) {
   if (rows < 0 || cols < 0)
     throw std::invalid_argument(std::string("mok ") + name + ": rows and cols must be >= 0, got " +
                                 std::to_string(rows) + " x " + std::to_string(cols));

@@ -144,7 +144,8 @@ def experts_forward(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.T
 def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled e4m3 rows of x [rows, cols] bf16: (codes [rows, cols] float8_e4m3fn, scales f32), one
     power-of-two scale per row and 128 columns: [ceil(cols / 128), rows] when k_major (what
-    experts_forward_fp8 reads), else [rows, ceil(cols / 128)]. x = codes * scale within e4m3's precision."""
+    experts_forward_fp8 reads), else [rows, ceil(cols / 128)]. x = codes * scale within e4m3's precision.
+    x must be finite (a NaN or infinity is not refused: its block's codes and scale are meaningless)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, cols], got shape {tuple(x.shape)}")
     rows, cols = x.shape
@@ -153,8 +154,10 @@ def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tenso
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((blocks, rows) if k_major else (rows, blocks), dtype=torch.float32, device=x.device)
     error = ctypes.create_string_buffer(512)
-    if _lib().mok_cuda_quantize_rows_e4m3(_ptr(x), rows, cols, _ptr(codes), _ptr(scales), int(k_major), None,
-                                         torch.cuda.current_stream(x.device).cuda_stream, error, len(error)) != 0:
+    with torch.cuda.device(x.device):  # the kernel runs on the tensors' device, whichever is current
+        rc = _lib().mok_cuda_quantize_rows_e4m3(_ptr(x), rows, cols, _ptr(codes), _ptr(scales), int(k_major), None,
+                                                torch.cuda.current_stream(x.device).cuda_stream, error, len(error))
+    if rc != 0:
         raise ValueError(error.value.decode())
     return codes, scales
 
@@ -170,8 +173,10 @@ def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty((planes, math.ceil(rows / 128), math.ceil(cols / 128)), dtype=torch.float32, device=w.device)
     error = ctypes.create_string_buffer(512)
-    if _lib().mok_cuda_quantize_blocks_e4m3(_ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales),
-                                           torch.cuda.current_stream(w.device).cuda_stream, error, len(error)) != 0:
+    with torch.cuda.device(w.device):
+        rc = _lib().mok_cuda_quantize_blocks_e4m3(_ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales),
+                                                  torch.cuda.current_stream(w.device).cuda_stream, error, len(error))
+    if rc != 0:
         raise ValueError(error.value.decode())
     return codes, scales
 
@@ -204,10 +209,11 @@ def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Ten
         raise ValueError(f"offsets must be int32 [{El + 1}] on {dev}, got {offsets.dtype} {tuple(offsets.shape)} "
                          f"on {offsets.device}")
     error = ctypes.create_string_buffer(512)
-    rc = _lib().mok_cuda_experts_forward_fp8(
-        rows, H, I, El, _ptr(offsets), _ptr(xq), _ptr(xs), _ptr(wgq), _ptr(wgs), _ptr(wuq), _ptr(wus), _ptr(wdq),
-        _ptr(wds), _ptr(gu), _ptr(h), _ptr(hq), _ptr(hs), _ptr(y), int(swiglu_limit is not None),
-        float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream(dev).cuda_stream, error, len(error))
+    with torch.cuda.device(dev):
+        rc = _lib().mok_cuda_experts_forward_fp8(
+            rows, H, I, El, _ptr(offsets), _ptr(xq), _ptr(xs), _ptr(wgq), _ptr(wgs), _ptr(wuq), _ptr(wus), _ptr(wdq),
+            _ptr(wds), _ptr(gu), _ptr(h), _ptr(hq), _ptr(hs), _ptr(y), int(swiglu_limit is not None),
+            float(swiglu_limit or 0.0), _ptr(status), torch.cuda.current_stream(dev).cuda_stream, error, len(error))
     if rc != 0:
         raise ValueError(error.value.decode())
 

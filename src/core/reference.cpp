@@ -97,9 +97,7 @@ void require_size(const std::vector<Real>& v, int64_t expected, const char* what
               " elements, expected ", expected);
 }
 
-}  // namespace
 
-namespace {
 // h = act(g, u) of M rows of unrounded [g|u] (acc [M, 2I]), and the saved gu (may be null).
 template <class Real>
 void activate_rows(const MlpShape& shape, int64_t M, const Real* acc, Real* gu, Real* h, Rounding rounding) {
