@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "mok/core/error.h"
+#include "mok/core/parallel.h"
 
 namespace mok::fp8 {
 
@@ -92,23 +94,40 @@ void gemm_nt(const Quantized& a, const Quantized& b, float* c) {
               " wide, got ", a.block_cols, " and ", b.block_cols);
   MOK_REQUIRE(c != nullptr || a.rows * b.rows == 0, "gemm_nt: c is null");
   const int64_t K = a.cols, k_blocks = a.col_blocks();
-  for (int64_t m = 0; m < a.rows; ++m) {
-    for (int64_t n = 0; n < b.rows; ++n) {
-      float acc = 0.0f;
-      for (int64_t kb = 0; kb < k_blocks; ++kb) {
-        // The block's code products, summed exactly: each product of two e4m3 values has at most
-        // 8 significant bits between 2^-18 and 2^18, so 128 of them fit a double's 53 bits.
-        double block = 0.0;
-        for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k) {
-          block += static_cast<double>(decode(a.codes[m * K + k])) * decode(b.codes[n * K + k]);
+  // The codes' values, decoded once (exact in float).
+  float table[256];
+  for (int code = 0; code < 256; ++code) table[code] = decode(static_cast<uint8_t>(code));
+  const auto decoded = [&](const std::vector<uint8_t>& codes) {
+    std::vector<float> v(codes.size());
+    for (size_t i = 0; i < codes.size(); ++i) v[i] = table[codes[i]];
+    return v;
+  };
+  const std::vector<float> av = decoded(a.codes), bv = decoded(b.codes);
+  parallel_for(a.rows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t n = 0; n < b.rows; ++n) {
+        const float* ar = av.data() + m * K;
+        const float* br = bv.data() + n * K;
+        float acc = 0.0f;
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          // The block's code products, summed exactly: each product of two e4m3 values has at most
+          // 8 significant bits between 2^-18 and 2^18 (exact in float), so 128 of them fit a
+          // double's 53 bits in any order (four partial sums, for speed, give the same bits).
+          const int64_t k1 = std::min(K, (kb + 1) * kBlock);
+          double part[4] = {0.0, 0.0, 0.0, 0.0};
+          int64_t k = kb * kBlock;
+          for (; k + 4 <= k1; k += 4) {
+            for (int u = 0; u < 4; ++u) part[u] += static_cast<double>(ar[k + u] * br[k + u]);
+          }
+          for (; k < k1; ++k) part[0] += static_cast<double>(ar[k] * br[k]);
+          const float partial = static_cast<float>((part[0] + part[1]) + (part[2] + part[3]));
+          const float scaled = partial * a.scale(m, kb * kBlock);
+          acc = acc + scaled * b.scale(n, kb * kBlock);
         }
-        const float partial = static_cast<float>(block);
-        const float scaled = partial * a.scale(m, kb * kBlock);
-        acc = acc + scaled * b.scale(n, kb * kBlock);
+        c[m * b.rows + n] = acc;
       }
-      c[m * b.rows + n] = acc;
     }
-  }
+  });
 }
 
 }  // namespace mok::fp8
