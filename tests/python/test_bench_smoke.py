@@ -291,6 +291,81 @@ class _TorchStandIn:
                 d_w_down[e] = (dy[a:b].float().t() @ scratch.hw[a:b].float()).to(d_w_down.dtype)
 
 
+class _Fp8StandIn(_TorchStandIn):
+    """The fp8 calls bench.gemms makes (quantize_rows, quantize_weights, experts_forward_fp8), in plain
+    torch on the CPU: power-of-two block scales, the products on the dequantized values."""
+
+    def __init__(self, y_factor: float = 1.0) -> None:
+        super().__init__()
+        self.y_factor = y_factor  # != 1: a wrong fp8 output, which the check must catch
+
+    @staticmethod
+    def _scale(amax: torch.Tensor) -> torch.Tensor:
+        """The smallest 2^e with amax <= 448 * 2^e (1 for an all-zero block)."""
+        e = torch.ceil(torch.log2(amax.clamp_min(1e-30) / 448.0))
+        return torch.where(amax > 0, torch.exp2(e), torch.ones_like(amax))
+
+    def quantize_rows(self, x, *, k_major=True):
+        rows, cols = x.shape
+        blocks = x.float().reshape(rows, cols // 128, 128)
+        scales = self._scale(blocks.abs().amax(dim=2))  # [rows, blocks]
+        codes = (blocks / scales.unsqueeze(2)).reshape(rows, cols).to(torch.float8_e4m3fn)
+        return codes, scales.t().contiguous() if k_major else scales
+
+    def quantize_weights(self, w):
+        planes, rows, cols = w.shape
+        blocks = w.float().reshape(planes, rows // 128, 128, cols // 128, 128)
+        scales = self._scale(blocks.abs().amax(dim=(2, 4)))  # [planes, row blocks, column blocks]
+        codes = (blocks / scales[:, :, None, :, None]).reshape(planes, rows, cols).to(torch.float8_e4m3fn)
+        return codes, scales
+
+    @staticmethod
+    def _rows(q):
+        codes, scales_k_major = q
+        return codes.float() * scales_k_major.t().repeat_interleave(128, dim=1)
+
+    @staticmethod
+    def _weights(q):
+        codes, scales = q
+        return codes.float() * scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+
+    def experts_forward_fp8(self, x, offsets, w_gate, w_up, w_down, *, h, y, h_codes, gu, swiglu_limit, status):
+        from mok import testing
+
+        xd = self._rows(x)
+        wg, wu, wd = (self._weights(q) for q in (w_gate, w_up, w_down))
+        for e, a, b in self._segments(offsets):
+            g, u = xd[a:b] @ wg[e].t(), xd[a:b] @ wu[e].t()
+            gu[a:b] = torch.cat([g, u], dim=1).to(gu.dtype)
+            h[a:b] = testing.swiglu(g, u, swiglu_limit).to(h.dtype)
+        codes, scales = self.quantize_rows(h)
+        h_codes[0].copy_(codes)
+        h_codes[1].copy_(scales)
+        hd = self._rows(h_codes)
+        for e, a, b in self._segments(offsets):
+            y[a:b] = (hd[a:b] @ wd[e].t() * self.y_factor).to(y.dtype)
+
+
+def test_gemm_benchmark_checks_and_times_the_fp8_forward_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.gemms' fp8 steps: MoK's y is checked against torch's bf16 forward with e4m3's tolerance
+    before anything is timed; where torch has no _scaled_grouped_mm (the CPU) fwd_fp8 is skipped,
+    saying so; shapes without whole 128-blocks are refused by name."""
+    from bench import gemms
+
+    steps = ("fwd_fp8", "fwd_fp8_vs_bf16")
+    rows = gemms.run_shape("small", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_Fp8StandIn(), device="cpu",
+                           steps=steps)
+    assert [r.step for r in rows] == ["fwd_fp8_vs_bf16"]
+    assert 1e-3 < rows[0].rel_error <= 0.08 and rows[0].mok_ms > 0 and rows[0].torch_ms > 0, rows[0]
+    assert "fwd_fp8 is skipped" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="fwd_fp8_vs_bf16: MoK differs from torch"):
+        gemms.run_shape("small", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_Fp8StandIn(y_factor=1.2),
+                        device="cpu", steps=steps)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gemms.run_shape("tiny", 128, dense=1.0, iters=2, tolerance=0.02, kernels=_Fp8StandIn(), device="cpu",
+                        steps=steps)
+
+
 def test_gemm_benchmark_checks_and_times_every_step_on_the_cpu() -> None:
     from bench import gemms
 
