@@ -61,6 +61,8 @@ __all__ = [
     "random_problem",
     "capture_after_warm_up",
     "relative_error",
+    "dequantize_e4m3_rows",
+    "dequantize_e4m3_blocks",
 ]
 
 
@@ -637,6 +639,19 @@ def capture_after_warm_up(step: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph,
 # ---------------------------------------------------------------------------------------------
 # Tolerance metric
 # ---------------------------------------------------------------------------------------------
+
+
+def dequantize_e4m3_rows(codes: torch.Tensor, scales_k_major: torch.Tensor) -> torch.Tensor:
+    """The values block-scaled e4m3 rows stand for (fp32): codes [rows, cols] times their 1 x 128
+    block's scale, the scales k-block major [ceil(cols / 128), rows] (``_cuda_kernels.quantize_rows``)."""
+    return codes.float() * scales_k_major.t().repeat_interleave(128, dim=1)[:, : codes.shape[1]]
+
+
+def dequantize_e4m3_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The values of block-scaled e4m3 planes (fp32): codes [planes, rows, cols] times their 128 x 128
+    block's scale, scales [planes, ceil(rows / 128), ceil(cols / 128)] (``_cuda_kernels.quantize_weights``)."""
+    s = scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+    return codes.float() * s[:, : codes.shape[1], : codes.shape[2]]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, chunk_elems: int = 1 << 26) -> float:

@@ -319,21 +319,11 @@ class _Fp8StandIn(_TorchStandIn):
         codes = (blocks / scales[:, :, None, :, None]).reshape(planes, rows, cols).to(torch.float8_e4m3fn)
         return codes, scales
 
-    @staticmethod
-    def _rows(q):
-        codes, scales_k_major = q
-        return codes.float() * scales_k_major.t().repeat_interleave(128, dim=1)
-
-    @staticmethod
-    def _weights(q):
-        codes, scales = q
-        return codes.float() * scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
-
     def experts_forward_fp8(self, x, offsets, w_gate, w_up, w_down, *, h, y, h_codes, gu, swiglu_limit, status):
         from mok import testing
 
-        xd = self._rows(x)
-        wg, wu, wd = (self._weights(q) for q in (w_gate, w_up, w_down))
+        xd = testing.dequantize_e4m3_rows(*x)
+        wg, wu, wd = (testing.dequantize_e4m3_blocks(*q) for q in (w_gate, w_up, w_down))
         for e, a, b in self._segments(offsets):
             g, u = xd[a:b] @ wg[e].t(), xd[a:b] @ wu[e].t()
             gu[a:b] = torch.cat([g, u], dim=1).to(gu.dtype)
@@ -341,7 +331,7 @@ class _Fp8StandIn(_TorchStandIn):
         codes, scales = self.quantize_rows(h)
         h_codes[0].copy_(codes)
         h_codes[1].copy_(scales)
-        hd = self._rows(h_codes)
+        hd = testing.dequantize_e4m3_rows(*h_codes)
         for e, a, b in self._segments(offsets):
             y[a:b] = (hd[a:b] @ wd[e].t() * self.y_factor).to(y.dtype)
 

@@ -17,15 +17,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _dequantize_rows(codes: torch.Tensor, scales_k_major: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scales_k_major.t().repeat_interleave(128, dim=1)[:, : codes.shape[1]]
-
-
-def _dequantize_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    s = scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
-    return codes.float() * s[:, : codes.shape[1], : codes.shape[2]]
-
-
 @pytest.mark.parametrize("limit", [None, 0.75])
 def test_fp8_forward_matches_torch_on_the_dequantized_operands(limit: float | None) -> None:
     gen = torch.Generator("cuda").manual_seed(5)
@@ -41,7 +32,7 @@ def test_fp8_forward_matches_torch_on_the_dequantized_operands(limit: float | No
     off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
 
     xq = _cuda_kernels.quantize_rows(x)
-    assert testing.relative_error(_dequantize_rows(*xq), x.float()) < 0.04  # e4m3: 3 mantissa bits
+    assert testing.relative_error(testing.dequantize_e4m3_rows(*xq), x.float()) < 0.04  # e4m3: 3 mantissa bits
     wq = [_cuda_kernels.quantize_weights(t) for t in w]
     poison = float("nan")
     h = torch.full((rows, I), poison, device="cuda", dtype=torch.bfloat16)
@@ -57,9 +48,9 @@ def test_fp8_forward_matches_torch_on_the_dequantized_operands(limit: float | No
     assert torch.isnan(y[m:].float()).all() and torch.isnan(h[m:].float()).all(), "rows past the experts were written"
 
     # torch on the dequantized operands (per expert): g|u, h, then y from the kernel's own h codes.
-    xd = _dequantize_rows(*xq)
-    wg, wu, wd = (_dequantize_weights(*q) for q in wq)
-    hd = _dequantize_rows(*hq)
+    xd = testing.dequantize_e4m3_rows(*xq)
+    wg, wu, wd = (testing.dequantize_e4m3_blocks(*q) for q in wq)
+    hd = testing.dequantize_e4m3_rows(*hq)
     for e in range(El):
         a, b = offsets[e], offsets[e + 1]
         if a == b:
