@@ -7,21 +7,17 @@
 #include <stdexcept>
 #include <string>
 
+#include "mok/cuda/detail/fp8_quantize.cuh"
+
 namespace mok::cuda {
 namespace {
+
+using detail::fp8_code;
+using detail::fp8_scale_exponent;
 
 constexpr int kBlock = 128;                 // columns a scale covers (mok/core/fp8.h: kBlock)
 constexpr int kPerLane = kBlock / 32;       // a warp quantizes one block: 4 columns a lane
 constexpr int kWarpsPerCta = 8;
-
-// The smallest 2^e with amax <= 448 * 2^e, e in [-126, 127] (fp8::block_scale): amax = m * 2^E
-// with m in [1, 2) and 448 = 1.75 * 2^8, so e = E - 8, plus one where m > 1.75.
-__device__ __forceinline__ int scale_exponent(float amax) {
-  if (amax == 0.0f) return 0;
-  int e = ilogbf(amax) - 8;
-  if (amax > ldexpf(448.0f, e)) ++e;
-  return max(-126, min(127, e));
-}
 
 // k_major: scales [col_blocks, rows], else [rows, col_blocks]. rows_used (device, may be null):
 // rows at or past it are left alone.
@@ -43,15 +39,13 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const int e = scale_exponent(amax);
+  const int e = fp8_scale_exponent(amax);
   if (lane == 0) scales[k_major ? (block % col_blocks) * rows + row : block] = ldexpf(1.0f, e);
-  // x / 2^e: a product with an exact power of two (2^-e is a float for e in [-126, 127]), rounded
-  // once, as the CPU's quotient is; then the e4m3 conversion, nearest even and saturating.
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     if (c0 + i < cols)
-      codes[row * cols + c0 + i] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
+      codes[row * cols + c0 + i] = fp8_code(v[i], inv);
   }
 }
 
@@ -88,17 +82,26 @@ __global__ void __launch_bounds__(kBlockThreads)
   amax = warp_max[0];
 #pragma unroll
   for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  const int e = scale_exponent(amax);
+  const int e = fp8_scale_exponent(amax);
   if (threadIdx.x == 0) scales[block] = ldexpf(1.0f, e);
-  const float inv = ldexpf(1.0f, -e);  // exact: x / 2^e rounded once, as the CPU's quotient
+  const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     if (in_cols && i < rows_here)
-      codes[first + int64_t(i) * kRowStep * cols] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
+      codes[first + int64_t(i) * kRowStep * cols] = fp8_code(v[i], inv);
   }
 }
 
 }  // namespace
+
+void preload_fp8_kernels() {
+  cudaFuncAttributes attr;
+  for (const void* kernel : {reinterpret_cast<const void*>(quantize_rows_kernel),
+                             reinterpret_cast<const void*>(quantize_blocks_kernel)}) {
+    const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("mok: load the fp8 quantizers: ") + cudaGetErrorString(e));
+  }
+}
 
 void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                           cudaStream_t stream) {

@@ -14,7 +14,9 @@
 
 #include "launch_util.h"
 #include "mok/cuda/detail/megakernel_backward.cuh"
+#include "mok/cuda/detail/megakernel_fp8.cuh"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 
 namespace mok::cuda {
 namespace {
@@ -29,6 +31,8 @@ using ForwardSharedStorage = detail::GroupedGemmSharedStorage<detail::ForwardMai
 constexpr int kForwardSmem = static_cast<int>(sizeof(ForwardSharedStorage));
 constexpr int kBackwardSmem =
     static_cast<int>(sizeof(detail::GroupedGemmSharedStorage<detail::BackwardDgradMainloop::Element>));
+constexpr int kFp8ForwardSmem = static_cast<int>(sizeof(detail::MegaFp8SharedStorage));
+static_assert(kFp8ForwardSmem <= 232448, "the fp8 megakernel's shared storage exceeds 227 KiB");
 
 // Every rank's non-finite key (routing.h: check_finite), a word of its symmetric buffer.
 void non_finite_keys(void* const* bases, const SymmetricLayout& l, int ranks, unsigned long long** keys) {
@@ -265,16 +269,22 @@ bool token_links_wanted() {
 }  // namespace
 
 FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
-                           int64_t ring_rows, bool keep_rows)
+                           int64_t ring_rows, bool keep_rows, bool fp8)
     : shape_(shape),
       hidden_(hidden),
       intermediate_(intermediate),
       minibatch_rows_(minibatch_rows),
       ring_rows_(ring_rows),
       capacity_(routed_row_capacity(shape)),
-      keep_rows_(keep_rows) {
+      keep_rows_(keep_rows),
+      fp8_(fp8) {
   if (hidden <= 0 || intermediate <= 0 || minibatch_rows <= 0 || ring_rows <= 0)
     throw std::invalid_argument("mok FusedBuffers: hidden, intermediate, minibatch_rows and ring_rows must be > 0");
+  if (fp8 && keep_rows)
+    throw std::invalid_argument("mok FusedBuffers: the fp8 forward's backward is not built (fp8 without keep_rows)");
+  if (fp8 && (hidden % 128 != 0 || intermediate % 128 != 0))
+    throw std::invalid_argument("mok FusedBuffers: fp8 needs hidden and intermediate multiples of 128, got " +
+                                std::to_string(hidden) + " and " + std::to_string(intermediate));
   const int64_t El = shape.local_experts(), cap = capacity_, H = hidden, I = intermediate;
   int64_t end = 0;
   auto take = [&](int64_t bytes) {  // 256-byte aligned pieces of one allocation
@@ -303,6 +313,12 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
     o_.dx_rows = take(cap * H * 2);
     o_.d_row_weight = take(cap * 4);
     o_.experts_status = take(16);
+  }
+  if (fp8) {
+    o_.ring_x_scales = take(H / 128 * ring_rows * 4);
+    o_.ring_h_codes = take(ring_rows * I);
+    o_.ring_h_scales = take(I / 128 * ring_rows * 4);
+    o_.pair_counters = take(ceil_div(cap, int64_t{GemmConfig::kBlockM}) * (I / 128) * 4);
   }
   bytes_ = std::max<int64_t>(end, 256);
   check(cudaGetDevice(&device_), "cudaGetDevice");
@@ -339,6 +355,13 @@ void FusedBuffers::wire(MoeForwardArgs& a) const {
   a.ring_h = ring_h();
   a.counters = static_cast<uint32_t*>(at(o_.counters));
   a.status = status();
+  a.fp8 = fp8_;
+  if (fp8_) {
+    a.ring_x_scales = ring_x_scales();
+    a.ring_h_codes = ring_h_codes();
+    a.ring_h_scales = ring_h_scales();
+    a.pair_counters = static_cast<uint32_t*>(at(o_.pair_counters));
+  }
 }
 
 void FusedBuffers::wire(MoeBackwardArgs& b) const {
@@ -388,6 +411,10 @@ void preload_kernels() {
   check(cudaFuncSetAttribute(detail::megakernel_kernel<detail::BackwardPass>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem),
         "load the backward megakernel");
+  check(cudaFuncSetAttribute(detail::megakernel_fp8_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kFp8ForwardSmem),
+        "load the fp8 megakernel");
+  preload_fp8_kernels();
   loaded.fetch_or(bit, std::memory_order_release);
 }
 
@@ -449,8 +476,111 @@ std::string can_implement(const MoeForwardArgs& a) {
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0)
     why << tile_limit("forward", forward_tiles(a.hidden, a.intermediate).total(a.row_capacity, 0));
+  if (a.fp8) {
+    if (a.hidden % 128 != 0 || a.intermediate % 128 != 0)
+      why << "fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got " << a.hidden << " and "
+          << a.intermediate << "; ";
+    if (!a.w_gate_scales || !a.w_up_scales || !a.w_down_scales || !a.ring_x_scales || !a.ring_h_codes ||
+        !a.ring_h_scales || !a.pair_counters)
+      why << "fp8 needs the weights' scales, the ring's scales, h's codes and scales and the pair counters "
+             "(FusedBuffers made with fp8 wires them); ";
+  }
   return host_util::trimmed(why.str());
 }
+
+namespace {
+
+// A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
+// statically and spin on each other's counters, so a CTA held back by other work on the GPU
+// (another stream's kernels) would otherwise stall the ones waiting for it until the timeout.
+template <class Params>
+void launch_cooperative(void (*kernel)(Params), Params& p, int sms, int smem, cudaStream_t stream, const char* what) {
+  void* args[] = {&p};
+  check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(sms), dim3(GemmConfig::kThreads), args,
+                                    smem, stream),
+        what);
+}
+
+// The bf16 forward megakernel (detail/megakernel_forward.cuh) of moe_forward's step 3.
+void launch_forward_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaStream_t stream) {
+  using Mainloop = detail::ForwardMainloop;
+  const int64_t H = a.hidden, I = a.intermediate, El = a.shape.local_experts();
+  const SymmetricLayout& l = a.layout;
+  const int me = int(a.rank);
+  const int64_t ring = a.ring_rows, cap = a.row_capacity;
+  detail::MegaForwardParams p{};
+  p.first_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_x), int(ring), int(H)),
+                               Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
+                               Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(ring), int(H), int(I), int(El),
+                               /*b1_row_shift=*/0};
+  p.second_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_h), int(ring), int(I)),
+                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
+                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(ring), int(I), int(H),
+                                 int(El), /*b1_row_shift=*/1};
+  void* gu = a.gu != nullptr ? a.gu : a.ring_h;  // a valid pointer for the unused descriptors
+  p.first_store = detail::SwiGluEpilogue::Params{
+      host_util::store_target(a.ring_h, ring, I, I), host_util::store_target(gu, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
+      host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
+      a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
+  wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
+  const PassTiles tiles = forward_tiles(H, I);
+  p.n_first = int(tiles.n_first);
+  p.n_second = int(tiles.n_second);
+  p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
+  p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
+  launch_cooperative(detail::megakernel_kernel<detail::ForwardPass>, p, sms, kForwardSmem, stream,
+                     "launch the megakernel (cooperative: all CTAs resident)");
+
+}
+
+// The fp8 forward megakernel (detail/megakernel_fp8.cuh) of moe_forward's step 3: the ring holds
+// e4m3 codes and k-block-major scales, h is stored in bf16 and quantized into ring_h_codes.
+void launch_fp8_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaStream_t stream) {
+  using detail::float_e4m3_t;
+  const int64_t H = a.hidden, I = a.intermediate, El = a.shape.local_experts();
+  const SymmetricLayout& l = a.layout;
+  const int me = int(a.rank), ring = int(a.ring_rows), h = int(H), i = int(I), experts = int(El);
+  const int64_t cap = a.row_capacity;
+  auto e4m3 = [](const void* ptr) { return static_cast<const float_e4m3_t*>(ptr); };
+  check(cudaMemsetAsync(a.pair_counters, 0, size_t(ceil_div(cap, int64_t{GemmConfig::kBlockM})) * (I / 128) * 4, stream),
+        "zero the pair counters");
+  detail::MegaFp8ForwardParams p{};
+  wire_pass(p, a, a.ring_x, a.ring_rows, comm, l.x_codes, l.combine, l.combine_arrived(me));
+  p.row_vectors = int(H / 16);  // a row of codes
+  p.skip_padding_halves = 0;    // (the fp8 tasks compute whole tiles)
+  p.n_first = i / 64;           // 64 W_gate and 64 W_up rows a tile
+  p.n_second = h / 128;
+  p.k_first = h / 128;
+  p.k_second = i / 128;
+  p.tma_x = detail::fp8_tma_a(e4m3(a.ring_x), ring, h);
+  p.tma_h = detail::fp8_tma_a(e4m3(a.ring_h_codes), ring, i);
+  p.tma_down = detail::fp8_tma_b(e4m3(a.w_down), h, i, experts);
+  p.tma_gate = detail::fp8_tma_b_half(e4m3(a.w_gate), i, h, experts);
+  p.tma_up = detail::fp8_tma_b_half(e4m3(a.w_up), i, h, experts);
+  p.gate_scales = a.w_gate_scales;
+  p.up_scales = a.w_up_scales;
+  p.down_scales = a.w_down_scales;
+  p.ring_scales = a.ring_x_scales;
+  p.ring_h = static_cast<const __nv_bfloat16*>(a.ring_h);
+  p.ring_h_codes = a.ring_h_codes;
+  p.ring_h_scales = a.ring_h_scales;
+  p.h_out = host_util::store_target(a.ring_h, a.ring_rows, I, I);
+  const bool save = a.gu != nullptr;
+  p.g = save ? host_util::store_target(a.gu, cap, I, 2 * I) : p.h_out;
+  p.u = save ? host_util::store_target(bf(a.gu) + I, cap, I, 2 * I) : p.h_out;
+  p.save_gu = save;
+  p.has_limit = a.swiglu_limit.has_value();
+  p.limit = a.swiglu_limit.value_or(0.0f);
+  p.pair_done = a.pair_counters;
+  p.scale_blocks = h / 128;
+  p.intermediate = i;
+  for (int s = 0; s < int(a.shape.ranks); ++s)
+    p.x_scales[s] = SymmetricLayout::at<const float>(a.bases[experiment_local_peer("pull", me, s)], l.x_scales);
+  launch_cooperative(detail::megakernel_fp8_forward_kernel, p, sms, kFp8ForwardSmem, stream,
+                     "launch the fp8 megakernel (cooperative: all CTAs resident)");
+}
+
+}  // namespace
 
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
@@ -464,8 +594,6 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // Every kernel of the call is loaded before the first one that spins is launched (routing.h:
   // preload_routing_kernels says why; seen: one process driving two GPUs timed out at the barrier).
   preload_kernels();
-  auto kernel = detail::megakernel_kernel<detail::ForwardPass>;
-  const int smem = kForwardSmem;
 
   // Everything is checked before the first launch: a throw after the start barrier would leave
   // the other ranks waiting for this one's pushes.
@@ -517,13 +645,17 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   check_finite(SymmetricLayout::at<const void>(mine, l.x), false, T * H, CheckedTensor::x, me, keys, R, stream);
   check_finite(SymmetricLayout::at<const void>(mine, l.topk_w), true, T * shape.topk, CheckedTensor::topk_w, me, keys,
                R, stream);
+  // fp8: this rank's x as e4m3 codes and 1 x 128 scales, where every rank pulls them from.
+  if (a.fp8)
+    quantize_rows_e4m3(SymmetricLayout::at<const void>(mine, l.x), T, H, SymmetricLayout::at<uint8_t>(mine, l.x_codes),
+                       SymmetricLayout::at<float>(mine, l.x_scales), stream);
 
   // 1. Start barrier: rank s's barrier word for this rank <- epoch; wait on ours for every s; every
   //    rank's call word must be this one's.
   barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
-          call_word(shape, H, I, a.swiglu_limit, /*pass=*/1));
+          call_word(shape, H, I, a.swiglu_limit, /*pass=*/a.fp8 ? 3 : 1));
 
   // 2. This rank's schedule from every rank's topk_idx, and its token links (each token pulled once).
   build_schedule(sa, stream);
@@ -532,35 +664,11 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   // 3. The megakernel.
   const CounterLayout counters = counter_layout(a.row_capacity, a.minibatch_rows);
   check(cudaMemsetAsync(a.counters, 0, counters.words() * sizeof(uint32_t), stream), "zero the counters");
-  using Mainloop = detail::ForwardMainloop;
-  const int64_t ring = a.ring_rows, cap = a.row_capacity;
-  detail::MegaForwardParams p{};
-  p.first_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_x), int(ring), int(H)),
-                               Mainloop::make_b(bf(a.w_gate), int(I), int(H), int(El)),
-                               Mainloop::make_b(bf(a.w_up), int(I), int(H), int(El)), int(ring), int(H), int(I), int(El),
-                               /*b1_row_shift=*/0};
-  p.second_load = Mainloop::Params{Mainloop::make_a(bf(a.ring_h), int(ring), int(I)),
-                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)),
-                                 Mainloop::make_b(bf(a.w_down), int(H), int(I), int(El)), int(ring), int(I), int(H),
-                                 int(El), /*b1_row_shift=*/1};
-  void* gu = a.gu != nullptr ? a.gu : a.ring_h;  // a valid pointer for the unused descriptors
-  p.first_store = detail::SwiGluEpilogue::Params{
-      host_util::store_target(a.ring_h, ring, I, I), host_util::store_target(gu, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
-      host_util::store_target(a.gu ? static_cast<void*>(bf(a.gu) + I) : a.ring_h, a.gu ? cap : ring, I, a.gu ? 2 * I : I),
-      a.gu != nullptr, a.swiglu_limit.has_value(), a.swiglu_limit.value_or(0.0f)};
-  wire_pass(p, a, a.ring_x, ring, comm, l.x, l.combine, l.combine_arrived(me));
-  const PassTiles tiles = forward_tiles(H, I);
-  p.n_first = int(tiles.n_first);
-  p.n_second = int(tiles.n_second);
-  p.k_first = ceil_div(H, detail::ForwardMainloop::kBlockK);
-  p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
-  // A cooperative launch: every CTA is resident before any runs. Compute CTAs own their tasks
-  // statically and spin on each other's counters, so a CTA held back by other work on the GPU
-  // (another stream's kernels) would otherwise stall the ones waiting for it until the timeout.
-  void* args[] = {&p};
-  check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(sms), dim3(GemmConfig::kThreads), args,
-                                    smem, stream),
-        "launch the megakernel (cooperative: all CTAs resident)");
+  if (a.fp8) {
+    launch_fp8_megakernel(a, sms, comm, stream);
+  } else {
+    launch_forward_megakernel(a, sms, comm, stream);
+  }
 
   // 4. Every rank's pushes for this rank's tokens have landed.
   barrier(R, status, detail::kWaitCombine, false, [&](int) { return static_cast<uint32_t*>(nullptr); },
@@ -614,10 +722,8 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
     p.topk_w[s] = SymmetricLayout::at<const float>(a.bases[s], l.topk_w);
     p.dw_slots[s] = SymmetricLayout::at<float>(a.bases[s], l.dw_slots);
   }
-  void* args[] = {&p};
-  check(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(detail::megakernel_kernel<detail::BackwardPass>),
-                                    dim3(sms), dim3(GemmConfig::kThreads), args, kBackwardSmem, stream),
-        "launch the backward megakernel (cooperative: all CTAs resident)");
+  launch_cooperative(detail::megakernel_kernel<detail::BackwardPass>, p, sms, kBackwardSmem, stream,
+                     "launch the backward megakernel (cooperative: all CTAs resident)");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -20,6 +21,7 @@
 #include "mok/core/reference.h"
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "mok/cuda/megakernel.h"
 
 namespace mok::test {
@@ -47,6 +49,7 @@ struct RunConfig {
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
   bool claim_tasks = true;          // both passes' claim_tasks (false: the static order c + j CTAs)
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
+  bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; forward only)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -102,7 +105,18 @@ struct Rank {
   std::unique_ptr<DeviceBuffer<uint16_t>> dx;
   std::unique_ptr<DeviceBuffer<float>> d_topk_w, dwg, dwu, dwd;
   std::unique_ptr<DeviceBuffer<uint16_t>> dwg16, dwu16, dwd16;  // bf16_grads
+  // fp8: the weights' e4m3 codes and 128 x 128 block scales.
+  std::unique_ptr<DeviceBuffer<uint8_t>> wg8, wu8, wd8;
+  std::unique_ptr<DeviceBuffer<float>> wg_scales, wu_scales, wd_scales;
 };
+
+// A weight [El, rows, cols] (bf16 on the device) as e4m3 codes and block scales, on the GPU.
+void quantize_weight(const DeviceBuffer<uint16_t>& w, int64_t El, int64_t rows, int64_t cols,
+                     std::unique_ptr<DeviceBuffer<uint8_t>>& codes, std::unique_ptr<DeviceBuffer<float>>& scales) {
+  codes = std::make_unique<DeviceBuffer<uint8_t>>(size_t(El * rows * cols));
+  scales = std::make_unique<DeviceBuffer<float>>(size_t(El * (rows / 128) * (cols / 128)));
+  cuda::quantize_blocks_e4m3(w.ptr, El, rows, cols, codes->ptr, scales->ptr, nullptr);
+}
 
 struct Outputs {
   std::vector<uint32_t> epochs;               // per rank, its epoch counter after the runs (graph)
@@ -160,7 +174,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
     rk.w_down->upload(to_bits(slice(in.routed.down, r * El * H * I, El * H * I)));
     const int64_t all_rows = (capacity + cfg.minibatch_rows - 1) / cfg.minibatch_rows * cfg.minibatch_rows;
     const int64_t ring = cfg.backward && !cfg.replay ? all_rows : cfg.minibatch_rows * cfg.ring_slots;
-    rk.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, cfg.minibatch_rows, ring, cfg.backward);
+    rk.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, cfg.minibatch_rows, ring, cfg.backward, cfg.fp8);
+    if (cfg.fp8) {
+      quantize_weight(*rk.w_gate, El, I, H, rk.wg8, rk.wg_scales);
+      quantize_weight(*rk.w_up, El, I, H, rk.wu8, rk.wu_scales);
+      quantize_weight(*rk.w_down, El, H, I, rk.wd8, rk.wd_scales);
+      cudaMemset(rk.buffers->ring_h_codes(), 0xff, size_t(ring * I));  // e4m3 NaN
+      cudaMemset(rk.buffers->ring_x_scales(), 0xff, size_t(H / 128 * ring * 4));
+      cudaMemset(rk.buffers->ring_h_scales(), 0xff, size_t(I / 128 * ring * 4));
+    }
     rk.gu = bf(capacity * 2 * I);
     rk.y = bf(T * H);
     rk.gu->poison();
@@ -233,7 +255,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       a.w_gate = rk.w_gate->ptr;
       a.w_up = rk.w_up->ptr;
       a.w_down = rk.w_down->ptr;
-      rk.buffers->wire(a);  // shape, schedule, ring, counters, statuses
+      rk.buffers->wire(a);  // shape, schedule, ring, counters, statuses (and fp8's buffers)
+      if (cfg.fp8) {
+        a.w_gate = rk.wg8->ptr;
+        a.w_up = rk.wu8->ptr;
+        a.w_down = rk.wd8->ptr;
+        a.w_gate_scales = rk.wg_scales->ptr;
+        a.w_up_scales = rk.wu_scales->ptr;
+        a.w_down_scales = rk.wd_scales->ptr;
+      }
       a.gu = cfg.replay ? nullptr : rk.gu->ptr;
       a.y = rk.y->ptr;
       a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
@@ -360,8 +390,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
 
 // The same forward through the separate stage kernels (schedule, gather, expert GEMMs, scatter,
 // combine) on one GPU: the fused forward must equal it bit for bit (same tiles, same k order,
-// same epilogues), so any difference is a fusion bug, not rounding.
-std::vector<std::vector<uint16_t>> staged_forward(const ref::LayerInputs<float>& in) {
+// same epilogues), so any difference is a fusion bug, not rounding. fp8: the gathered rows and
+// the weights quantized on the GPU, then experts_forward_fp8.
+std::vector<std::vector<uint16_t>> staged_forward(const ref::LayerInputs<float>& in, bool fp8 = false) {
   const MoeDesc& d = in.desc;
   const int R = int(d.ranks);
   const int64_t T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk, El = d.local_experts();
@@ -419,22 +450,56 @@ std::vector<std::vector<uint16_t>> staged_forward(const ref::LayerInputs<float>&
     g.x = x_ptrs.data();
     g.rows = x_rows.ptr;
     cuda::gather_rows(g, nullptr);
-    cuda::ExpertsForwardArgs e;
-    e.row_capacity = cap;
-    e.hidden = H;
-    e.intermediate = I;
-    e.local_experts = El;
-    e.expert_offsets = offsets.ptr;
-    e.x = x_rows.ptr;
-    e.w_gate = wg.ptr;
-    e.w_up = wu.ptr;
-    e.w_down = wd.ptr;
-    e.gu = gu.ptr;
-    e.h = h.ptr;
-    e.y = y_rows.ptr;
-    e.swiglu_limit = d.swiglu_limit;
-    e.status = status.ptr;
-    cuda::experts_forward(e, nullptr);
+    if (fp8) {
+      DeviceBuffer<uint8_t> x8(size_t(cap * H)), h8(size_t(cap * I));
+      DeviceBuffer<float> x_scales(size_t(H / 128 * cap)), h_scales(size_t(I / 128 * cap));
+      std::unique_ptr<DeviceBuffer<uint8_t>> wg8, wu8, wd8;
+      std::unique_ptr<DeviceBuffer<float>> sg, su, sd;
+      quantize_weight(wg, El, I, H, wg8, sg);
+      quantize_weight(wu, El, I, H, wu8, su);
+      quantize_weight(wd, El, H, I, wd8, sd);
+      cuda::quantize_rows_e4m3_k_major(x_rows.ptr, cap, H, x8.ptr, x_scales.ptr, offsets.ptr + El, nullptr);
+      cuda::ExpertsForwardFp8Args e;
+      e.row_capacity = cap;
+      e.hidden = H;
+      e.intermediate = I;
+      e.local_experts = El;
+      e.expert_offsets = offsets.ptr;
+      e.x = x8.ptr;
+      e.x_scales = x_scales.ptr;
+      e.w_gate = wg8->ptr;
+      e.w_gate_scales = sg->ptr;
+      e.w_up = wu8->ptr;
+      e.w_up_scales = su->ptr;
+      e.w_down = wd8->ptr;
+      e.w_down_scales = sd->ptr;
+      e.gu = gu.ptr;
+      e.h = h.ptr;
+      e.h_codes = h8.ptr;
+      e.h_scales = h_scales.ptr;
+      e.y = y_rows.ptr;
+      e.swiglu_limit = d.swiglu_limit;
+      e.status = status.ptr;
+      cuda::experts_forward_fp8(e, nullptr);
+      cudaDeviceSynchronize();
+    } else {
+      cuda::ExpertsForwardArgs e;
+      e.row_capacity = cap;
+      e.hidden = H;
+      e.intermediate = I;
+      e.local_experts = El;
+      e.expert_offsets = offsets.ptr;
+      e.x = x_rows.ptr;
+      e.w_gate = wg.ptr;
+      e.w_up = wu.ptr;
+      e.w_down = wd.ptr;
+      e.gu = gu.ptr;
+      e.h = h.ptr;
+      e.y = y_rows.ptr;
+      e.swiglu_limit = d.swiglu_limit;
+      e.status = status.ptr;
+      cuda::experts_forward(e, nullptr);
+    }
     cuda::ScatterArgs sc;
     sc.shape = shape;
     sc.hidden = H;
@@ -528,6 +593,66 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_token", desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
                       Case{"R4_zipf", desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
                       Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// The block-scaled fp8 forward (MoeForwardArgs::fp8) against the CPU oracle's fp8 layer
+// (ref::layer_forward at Precision::fp8_block) within a tolerance, and bit for bit against the
+// stage kernels (gather, quantize, experts_forward_fp8, scatter, combine), across reruns and
+// other minibatch, ring, comm and task-order settings.
+inline constexpr double kFp8LayerTolerance = 1e-2;
+
+class MegakernelFp8 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MegakernelFp8, MatchesTheOracleAndTheStageKernelsBitForBit) {
+  const Case& c = GetParam();
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const auto in = make_inputs<float>(c.desc, c.routing, 2468, true);
+  const auto ref = ref::layer_forward(in, ref::Rounding::bf16);
+  RunConfig base;
+  base.fp8 = true;
+  const Outputs first = run_forward(in, base, 3);
+  const auto staged = staged_forward(in, /*fp8=*/true);
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    EXPECT_EQ(first.errors[r], "") << "rank " << r;
+    const Comparison cmp = compare(from_bits(first.y[r]), ref.y[r]);
+    EXPECT_TRUE(cmp.within(kFp8LayerTolerance)) << cmp.describe("y rank " + std::to_string(r));
+    std::printf("[ %s fp8 ] rank %d rel error y %.2e against the fp8 oracle\n", c.name, r, cmp.rel_error);
+    EXPECT_EQ(first_bit_difference(first.y[r], staged[r]), -1) << "y rank " << r << " differs from the staged fp8 path";
+  }
+  std::vector<RunConfig> others(4);
+  others[0].minibatch_rows = 256, others[0].ring_slots = 1, others[0].comm_ctas = 1;
+  others[1].minibatch_rows = 128, others[1].ring_slots = 64, others[1].comm_ctas = 5;
+  others[2].minibatch_rows = 384, others[2].ring_slots = 3;
+  others[3].claim_tasks = false, others[3].minibatch_rows = 256, others[3].ring_slots = 1, others[3].comm_ctas = 2;
+  for (RunConfig cfg : others) {
+    cfg.fp8 = true;
+    const Outputs again = run_forward(in, cfg, 1);
+    for (int r = 0; r < c.desc.ranks; ++r) {
+      ASSERT_EQ(again.errors[r], "") << "rank " << r;
+      EXPECT_EQ(first_bit_difference(again.y[r], first.y[r]), -1)
+          << "y rank " << r << " differs with minibatch " << cfg.minibatch_rows << " x " << cfg.ring_slots << " slots"
+          << ", comm CTAs " << cfg.comm_ctas << (cfg.claim_tasks ? "" : ", static task order");
+      EXPECT_EQ(first_bit_difference(again.gu[r], first.gu[r]), -1)
+          << "g|u rank " << r << " differs with minibatch " << cfg.minibatch_rows;
+    }
+  }
+}
+
+MoeDesc fp8_desc(int64_t R, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, std::optional<float> limit = {}) {
+  MoeDesc d = desc(R, T, H, I, E, k);
+  d.precision = Precision::fp8_block;
+  d.swiglu_limit = limit;
+  return d;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gpu, MegakernelFp8,
+    ::testing::Values(Case{"R1_balanced", fp8_desc(1, 300, 512, 256, 16, 4), RoutingKind::balanced},
+                      Case{"R2_uniform_limit", fp8_desc(2, 300, 512, 256, 16, 4, 7.0f), RoutingKind::uniform},
+                      Case{"R2_one_expert_rank1_gets_nothing", fp8_desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
+                      Case{"R2_one_token", fp8_desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
+                      Case{"R4_zipf", fp8_desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
+                      Case{"R2_wide", fp8_desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The backward's outputs of two runs, bit for bit: dx and d topk_w of every rank, then the weight

@@ -4,6 +4,8 @@
 // more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
 // MOK_MK_TIMING_BACKWARD=1: the backward megakernel instead (after one training forward that keeps
 // its rows), in the same four variants and against the backward's stage kernels.
+// MOK_MK_TIMING_FP8=1: also the block-scaled fp8 forward (MoeForwardArgs::fp8), in rounds with the
+// bf16 one, and the fp8 experts' GEMMs alone (experts_forward_fp8) on rank 0's rows.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
 #include <cuda_runtime_api.h>
 
@@ -17,6 +19,7 @@
 #include "mok/core/planner.h"
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "mok/cuda/megakernel.h"
 #include "timing_util.h"
 
@@ -260,6 +263,103 @@ void run(const Shape& s) {
       (long long)H, (long long)I, (long long)s.E, (long long)k, (long long)T, (long long)s.R, ctas, c.comm_sms,
       (long long)c.minibatch_rows, (long long)c.ring_rows, t_fused, t_every_mma, t_static, t_gemms, (long long)used,
       flops / (t_gemms * 1e-3) / 1e12, t_fused / t_gemms, status.empty() ? "" : " | ", status.c_str());
+
+  const char* fp8_env = std::getenv("MOK_MK_TIMING_FP8");
+  if (fp8_env == nullptr || std::atoi(fp8_env) == 0) return;
+  if (H % 128 != 0 || I % 128 != 0) {
+    std::printf("  fp8: skipped (H and I must be multiples of 128)\n");
+    return;
+  }
+  // The fp8 forward: its own buffers, the weights quantized on the GPU.
+  struct Fp8Rank {
+    uint8_t *wg, *wu, *wd;
+    float *sg, *su, *sd;
+    std::unique_ptr<mok::cuda::FusedBuffers> buffers;
+  };
+  std::vector<Fp8Rank> q(R);
+  for (int r = 0; r < R; ++r) {
+    Fp8Rank& f = q[r];
+    f.wg = device<uint8_t>(El * I * H);
+    f.wu = device<uint8_t>(El * I * H);
+    f.wd = device<uint8_t>(El * H * I);
+    f.sg = device<float>(El * (I / 128) * (H / 128));
+    f.su = device<float>(El * (I / 128) * (H / 128));
+    f.sd = device<float>(El * (H / 128) * (I / 128));
+    mok::cuda::quantize_blocks_e4m3(ranks[r].wg, El, I, H, f.wg, f.sg, nullptr);
+    mok::cuda::quantize_blocks_e4m3(ranks[r].wu, El, I, H, f.wu, f.su, nullptr);
+    mok::cuda::quantize_blocks_e4m3(ranks[r].wd, El, H, I, f.wd, f.sd, nullptr);
+    f.buffers = std::make_unique<mok::cuda::FusedBuffers>(shape, H, I, c.minibatch_rows, c.ring_rows, false, true);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto fused_fp8 = [&]() {
+    ++epoch;
+    for (int r = 0; r < R; ++r) {
+      const Fp8Rank& f = q[r];
+      mok::cuda::MoeForwardArgs a;
+      a.rank = r;
+      a.bases = bases.data();
+      f.buffers->wire(a);
+      a.w_gate = f.wg;
+      a.w_up = f.wu;
+      a.w_down = f.wd;
+      a.w_gate_scales = f.sg;
+      a.w_up_scales = f.su;
+      a.w_down_scales = f.sd;
+      a.epoch = epoch;
+      a.num_sms = ctas;
+      a.y = ranks[r].y;
+      a.comm_ctas = c.comm_sms;
+      mok::cuda::moe_forward(a, ranks[r].stream);
+    }
+    for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
+  };
+  // Rounds alternating which goes first (the clocks drift under the power cap).
+  std::vector<float> bf16_times, fp8_times;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 2; ++i) {
+      if ((i + round) % 2 == 0) {
+        bf16_times.push_back(time_ms(fused, 10, /*warmup=*/2));
+      } else {
+        fp8_times.push_back(time_ms(fused_fp8, 10, /*warmup=*/2));
+      }
+    }
+  }
+  std::sort(bf16_times.begin(), bf16_times.end());
+  std::sort(fp8_times.begin(), fp8_times.end());
+  CHECK_CUDA(cudaMemcpy(words, q[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
+  const std::string fp8_status = mok::cuda::describe_wait_status(words);
+  // The fp8 GEMMs alone on rank 0's rows (the same schedule: the same routing), with the same CTAs.
+  uint8_t* x8 = device<uint8_t>(cap * H);
+  uint8_t* h8 = device<uint8_t>(cap * I);
+  float* x_scales = device<float>(H / 128 * cap);
+  float* h_scales = device<float>(I / 128 * cap);
+  mok::cuda::quantize_rows_e4m3_k_major(x_rows, cap, H, x8, x_scales, s0.expert_offsets + El, nullptr);
+  mok::cuda::ExpertsForwardFp8Args e8;
+  e8.row_capacity = cap;
+  e8.hidden = H;
+  e8.intermediate = I;
+  e8.local_experts = El;
+  e8.expert_offsets = s0.expert_offsets;
+  e8.x = x8;
+  e8.x_scales = x_scales;
+  e8.w_gate = q[0].wg;
+  e8.w_gate_scales = q[0].sg;
+  e8.w_up = q[0].wu;
+  e8.w_up_scales = q[0].su;
+  e8.w_down = q[0].wd;
+  e8.w_down_scales = q[0].sd;
+  e8.h = h;
+  e8.h_codes = h8;
+  e8.h_scales = h_scales;
+  e8.y = y_rows;
+  e8.status = st;
+  e8.num_sms = ctas;
+  const float t_gemms8 = time_ms([&] { mok::cuda::experts_forward_fp8(e8, nullptr); }, 10, /*warmup=*/2);
+  std::printf("  fp8 fused %8.3f ms (sorted %8.3f %8.3f %8.3f) | bf16 fused %8.3f ms | fp8/bf16 speed %.3fx | fp8 "
+              "GEMMs alone %8.3f ms (%.0f TF/s) | fp8 fused/GEMMs %.2f%s%s\n",
+              fp8_times[1], fp8_times[0], fp8_times[1], fp8_times[2], bf16_times[1], bf16_times[1] / fp8_times[1],
+              t_gemms8, flops / (t_gemms8 * 1e-3) / 1e12, fp8_times[1] / t_gemms8, fp8_status.empty() ? "" : " | ",
+              fp8_status.c_str());
 }
 
 }  // namespace

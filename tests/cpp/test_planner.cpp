@@ -191,19 +191,21 @@ TEST(Planner, SymmetricBytes) {
   d.num_experts = 2;
   d.topk = 2;
   // 3 * 128 + 1 signal lines of 128 bytes (sized for the most ranks) -> 49408, then x 512,
-  // idx 32->256, w 32->256, combine 1024, dy 512, dx slots 1024, dw 32->256.
-  EXPECT_EQ(symmetric_bytes(d), 49408 + 512 + 256 + 256 + 1024 + 512 + 1024 + 256);
+  // idx 32->256, w 32->256, combine 1024, dy 512, dx slots 1024, dw 32->256, x codes 256->256,
+  // x scales 16->256.
+  EXPECT_EQ(symmetric_bytes(d), 49408 + 512 + 256 + 256 + 1024 + 512 + 1024 + 256 + 256 + 256);
 }
 
 TEST(SymmetricLayout, RegionsAreAlignedDisjointAndInOrder) {
   for (int64_t T : {0, 1, 37, 8192}) {
     for (int64_t R : {1, 2, 64}) {
       const SymmetricLayout l = SymmetricLayout::make(T, 7168, 8, R);
-      const int64_t starts[] = {l.signals, l.x, l.topk_idx, l.topk_w, l.combine, l.dy, l.dx_slots, l.dw_slots, l.total};
-      const int64_t sizes[] = {(3 * 128 + 1) * 128, T * 7168 * 2, T * 8 * 4, T * 8 * 4, T * 8 * 7168 * 2,
-                               T * 7168 * 2, T * 8 * 7168 * 2, T * 8 * 4};
+      const int64_t starts[] = {l.signals, l.x,        l.topk_idx, l.topk_w,   l.combine, l.dy,
+                                l.dx_slots, l.dw_slots, l.x_codes,  l.x_scales, l.total};
+      const int64_t sizes[] = {(3 * 128 + 1) * 128, T * 7168 * 2,     T * 8 * 4, T * 8 * 4, T * 8 * 7168 * 2,
+                               T * 7168 * 2,        T * 8 * 7168 * 2, T * 8 * 4, T * 7168,  T * 56 * 4};
       EXPECT_EQ(l.signals, 0);
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 10; ++i) {
         EXPECT_EQ(starts[i] % SymmetricLayout::kAlign, 0);
         EXPECT_GE(starts[i + 1] - starts[i], sizes[i]) << "region " << i << " overlaps the next";
         EXPECT_LT(starts[i + 1] - starts[i], sizes[i] + SymmetricLayout::kAlign) << "region " << i;

@@ -31,6 +31,10 @@ struct SymmetricLayout {
   int64_t dy = 0;        // [T, H] bf16: output gradients the owners pull (backward dispatch)
   int64_t dx_slots = 0;  // [T*k, H] bf16: input gradients pushed here, one slot per (token, j)
   int64_t dw_slots = 0;  // [T*k] fp32: d topk_w pushed here, one slot per (token, j)
+  // The block-scaled fp8 forward's dispatch (Precision::fp8_block): x quantized by its rank before
+  // the call, the codes and scales the owners pull (half the bytes of the bf16 rows).
+  int64_t x_codes = 0;   // [T, H] e4m3
+  int64_t x_scales = 0;  // [T, ceil(H / 128)] fp32: one power-of-two scale per row and 128 columns
   // Signal lines (at offset 0, [signals, x)), one 32-bit word at the start of each: for each of
   // kMaxRanks source ranks s, combine_arrived[s] and dx_arrived[s] (counters a pushing rank adds to
   // with release semantics after its slots), barrier[s] (epoch flags for a barrier with no
@@ -65,10 +69,14 @@ struct SymmetricLayout {
     l.dy = take(T * H * 2);
     l.dx_slots = take(T * k * H * 2);
     l.dw_slots = take(T * k * 4);
+    l.x_codes = take(T * H);
+    l.x_scales = take(T * scale_blocks(H) * 4);
     l.total = at;
     return l;
   }
   static constexpr int64_t signal_lines(int64_t ranks) { return 3 * ranks + 1; }
+  // Scales of a row of `cols` values in 1 x 128 blocks.
+  static constexpr int64_t scale_blocks(int64_t cols) { return (cols + 127) / 128; }
 
   // Signal words on a rank's buffer (at offsets that depend on no shape).
   MOK_HOST_DEVICE int64_t combine_arrived(int64_t source_rank) const { return signals + source_rank * kSignalLine; }

@@ -27,6 +27,9 @@ void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* code
 void quantize_rows_e4m3_k_major(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                                 const int32_t* rows_used, cudaStream_t stream);
 
+// Loads the quantizers on the current device (megakernel.h: preload_kernels says why).
+void preload_fp8_kernels();
+
 // Weights: x [planes, rows, cols] bf16 (an expert's matrix a plane) -> codes [planes, rows, cols]
 // e4m3 and scales [planes, ceil(rows / 128), ceil(cols / 128)] fp32: one power-of-two scale per
 // 128 x 128 block of a plane (partial at the edges), as mok/core/fp8.h: quantize_weights per plane.

@@ -92,6 +92,23 @@ struct MoeForwardArgs {
   int32_t* status = nullptr;  // [kStatusWords] device words, zero before the first call: code, rank, where, seen,
                               // the failed call's epoch, the running call's epoch
   double timeout_s = 10.0;    // every wait's bound
+
+  // Block-scaled fp8 (Precision::fp8_block; FusedBuffers made with fp8 wires the buffers below).
+  // w_gate, w_up and w_down are then e4m3 codes (quantize_blocks_e4m3, fp8.h) with these scales;
+  // the call quantizes this rank's x into its symmetric buffer's x_codes and x_scales before the
+  // start barrier, the megakernel pulls codes and scales (half the bf16 rows' bytes) into the ring
+  // (ring_x then holds codes [ring_rows, H]), runs gate|up and down as experts_forward_fp8 does
+  // and pushes bf16 rows as the bf16 forward. hidden and intermediate must be multiples of 128.
+  // The same bits as gather + experts_forward_fp8 + scatter + combine; g|u and ring_h (bf16 h) as
+  // that forward saves them. Forward only: the backward of an fp8 forward is not built yet.
+  bool fp8 = false;
+  const float* w_gate_scales = nullptr;  // [El, I / 128, H / 128]
+  const float* w_up_scales = nullptr;    // [El, I / 128, H / 128]
+  const float* w_down_scales = nullptr;  // [El, H / 128, I / 128]
+  float* ring_x_scales = nullptr;        // [H / 128, ring_rows]: the pulled rows' scales
+  uint8_t* ring_h_codes = nullptr;       // [ring_rows, I]: h quantized
+  float* ring_h_scales = nullptr;        // [I / 128, ring_rows]
+  uint32_t* pair_counters = nullptr;     // [row_capacity / 128 * I / 128]: h's column pairs (zeroed by the call)
 };
 
 // The backward of a forward that kept its rows (ring_rows >= row_capacity: ring_x and ring_h hold
@@ -178,8 +195,10 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 // gets its buffers here.
 class FusedBuffers {
  public:
+  // fp8: the fp8 forward's buffers too (MoeForwardArgs::fp8; hidden and intermediate multiples of
+  // 128), and wire() sets fp8; not with keep_rows (its backward is not built).
   FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
-               int64_t ring_rows, bool keep_rows);
+               int64_t ring_rows, bool keep_rows, bool fp8 = false);
   ~FusedBuffers();
   FusedBuffers(const FusedBuffers&) = delete;
   FusedBuffers& operator=(const FusedBuffers&) = delete;
@@ -198,6 +217,9 @@ class FusedBuffers {
   int64_t ring_rows() const { return ring_rows_; }
   void* ring_x() const { return at(o_.ring_x); }
   void* ring_h() const { return at(o_.ring_h); }
+  uint8_t* ring_h_codes() const { return fp8_ ? static_cast<uint8_t*>(at(o_.ring_h_codes)) : nullptr; }
+  float* ring_h_scales() const { return fp8_ ? static_cast<float*>(at(o_.ring_h_scales)) : nullptr; }
+  float* ring_x_scales() const { return fp8_ ? static_cast<float*>(at(o_.ring_x_scales)) : nullptr; }
   int32_t* status() const { return static_cast<int32_t*>(at(o_.status)); }
   RoutingStatus* routing_status() const { return static_cast<RoutingStatus*>(at(o_.routing_status)); }
   int32_t* expert_offsets() const { return static_cast<int32_t*>(at(o_.offsets)); }
@@ -209,11 +231,12 @@ class FusedBuffers {
   struct Offsets {
     int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status, epoch;
     int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
+    int64_t ring_x_scales, ring_h_codes, ring_h_scales, pair_counters;                        // fp8
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }
   RoutingShape shape_;
   int64_t hidden_, intermediate_, minibatch_rows_, ring_rows_, capacity_, bytes_ = 0;
-  bool keep_rows_;
+  bool keep_rows_, fp8_;
   Offsets o_{};
   void* memory_ = nullptr;
   int device_ = 0;

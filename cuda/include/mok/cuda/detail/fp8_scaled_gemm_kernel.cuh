@@ -77,6 +77,116 @@ inline auto fp8_tma_b_half(const float_e4m3_t* ptr, int n, int k, int experts) {
   return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8SmemLayoutHalves{}(_, _, 0), Shape<_64, Int<Fp8GemmConfig::kBlockK>>{});
 }
 
+// One k-block of a tile into stage s (on its full barrier `bar`): a's 128 x 128 codes at row block
+// t.m_block, b's 128 rows at t.n_block (the store form) or the 64-row halves of W_gate and W_up at
+// t.n_block (gate|up), and the row block's 128 scales of the k-block from a_scales [k_blocks,
+// scale_stride] (a bulk copy of 512 contiguous bytes). Shared by the standalone launch and the fp8
+// forward megakernel (megakernel_fp8.cuh).
+template <bool kGateUp, class TmaA, class TmaB, class TmaHalf, class Storage>
+__device__ __forceinline__ void load_fp8_k_block(const TmaA& tma_a, const TmaB& tma_b, const TmaHalf& tma_gate,
+                                                 const TmaHalf& tma_up, int a_rows, int k, int n, int experts,
+                                                 const float* a_scales, int scale_stride, Storage& smem, uint64_t* bar,
+                                                 int s, const GroupedTile& t, int kb) {
+  using Config = Fp8GemmConfig;
+  Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, k, 1));
+  Tensor gA = local_tile(mA, Shape<Int<Config::kBlockM>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BM, BK, m, k, 1)
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), Config::SmemLayout{});
+  auto [tAg, tAs] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+  copy(tma_a.with(*bar), tAg(_, t.m_block, kb, 0), tAs(_, s));
+  if constexpr (kGateUp) {
+    Tensor sH = make_tensor(make_smem_ptr(smem.b), Fp8SmemLayoutHalves{});  // (64, BK, 2*STAGES)
+    static_for<2>([&](auto half_) {
+      constexpr int half = decltype(half_)::value;
+      const auto& tma = half == 0 ? tma_gate : tma_up;
+      Tensor mW = tma.get_tma_tensor(make_shape(n, k, experts));
+      Tensor gW = local_tile(mW, Shape<_64, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (64, BK, n, k, e)
+      auto [tWg, tWs] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH), group_modes<0, 2>(gW));
+      copy(tma.with(*bar), tWg(_, t.n_block, kb, t.expert), tWs(_, 2 * s + half));
+    });
+  } else {
+    Tensor mB = tma_b.get_tma_tensor(make_shape(n, k, experts));
+    Tensor gB = local_tile(mB, Shape<Int<Config::kBlockN>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BN, BK, n, k, e)
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), Config::SmemLayout{});
+    auto [tBg, tBs] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    copy(tma_b.with(*bar), tBg(_, t.n_block, kb, t.expert), tBs(_, s));
+  }
+  SM90_BULK_COPY_G2S::copy(a_scales + int64_t(kb) * scale_stride + int64_t(t.m_block) * Config::kBlockM, bar,
+                           smem.a_scales[s], int32_t(Config::kScaleBytes));
+}
+
+// A tile's k-blocks [k_begin, k_end) into acc (cleared first; an expert's k-blocks always exist,
+// k >= 1): each k-block's wgmma into the zeroed temporary tmp, then acc += tmp * (sa * sb), in k
+// order. sb (and su) point at the tile's weight scale row, one per k-block: with kTwoScales, sb
+// scales values [0, 32) of the thread (the gate half) and su values [32, 64) (the up half).
+// a_scales: the stages' row scales; r0 the thread's first row (values i with (i / 2) % 2 == 0),
+// r0 + 8 its second. Each stage is released once its operands and scales are read.
+template <bool kTwoScales, class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
+__device__ __forceinline__ void reduce_scaled_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                                                       Acc& tmp, Pipeline& pipeline, State& state,
+                                                       const float (*a_scales)[Fp8GemmConfig::kBlockM], int r0,
+                                                       const float* sb, const float* su, int k_begin, int k_end) {
+  clear(acc);
+  // Each k-block's weight scales are read one k-block ahead: the load's latency is off the
+  // promotion that needs them.
+  float next_b = __ldg(sb + k_begin), next_up = kTwoScales ? __ldg(su + k_begin) : next_b;
+  for (int kb = k_begin; kb < k_end; ++kb) {
+    const float b_scale = next_b, up_scale = next_up;
+    if (kb + 1 < k_end) {
+      next_b = __ldg(sb + kb + 1);
+      next_up = kTwoScales ? __ldg(su + kb + 1) : next_b;
+    }
+    pipeline.consumer_wait(state);
+    const int s = state.index();
+    warpgroup_fence_operand(tmp);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+      cute::gemm(mma, tCrA(_, _, kk, s), tCrB(_, _, kk, s), tmp);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tmp);
+    const float a0 = a_scales[s][r0], a1 = a_scales[s][r0 + 8];
+    pipeline.consumer_release(state);  // the scales and operands of stage s are read
+    ++state;
+    // Powers of two: every product with a scale is exact (short of fp32's range ends), so the
+    // order of the products is free, and one fused multiply-add rounds as the oracle's
+    // multiply then add: half the instructions of the two (they were 30% of the samples).
+    const float s0 = a0 * b_scale, s1 = a1 * b_scale, u0 = a0 * up_scale, u1 = a1 * up_scale;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const bool row0 = (i / 2) % 2 == 0, up = kTwoScales && i >= 32;
+      acc(i) = __fmaf_rn(tmp(i), up ? (row0 ? u0 : u1) : (row0 ? s0 : s1), acc(i));
+    }
+  }
+}
+
+// The gate|up form's epilogue: values i (gate column c of the tile) and i + 32 (up column c).
+// g|u first when saved (bf16, clamp side kept, as the bf16 SwiGLU epilogue saves them) into g
+// and u at row block gu_m_block, then h = act(g, u) from the fp32 sums into h at h_m_block: one
+// 64-column chunk each, through staging tile chunk % 2 (chunk counts on across tiles).
+template <class Acc, class Coords>
+__device__ __forceinline__ void fp8_swiglu_epilogue(bfloat16_t* staging, int& chunk, const StoreTensor& h,
+                                                    const StoreTensor& g, const StoreTensor& u, bool save_gu,
+                                                    bool has_limit, float limit, const Acc& acc, const Coords& coords,
+                                                    int h_m_block, int gu_m_block, int n_block, int thread) {
+  if (save_gu) {
+    static_for<2>([&](auto plane_) {
+      constexpr int plane = decltype(plane_)::value;
+      const float lo = plane == 0 ? -INFINITY : -limit;
+      store_saved_chunk<32 * plane>(staging, chunk++, plane == 0 ? g : u, coords, 64 * plane, gu_m_block, n_block,
+                                    thread, acc, has_limit, lo, limit);
+    });
+  }
+  store_chunk<0>(staging, chunk++, h, coords, 0, h_m_block, n_block, 0, thread, [&](auto i_) {
+    constexpr int i = decltype(i_)::value;
+    return __floats2bfloat162_rn(swiglu(acc(i), acc(i + 32), has_limit, limit),
+                                 swiglu(acc(i + 1), acc(i + 33), has_limit, limit));
+  });
+}
+
 struct Fp8ScaledGemmParams {
   decltype(fp8_tma_a(nullptr, 1, 1)) tma_a;
   decltype(fp8_tma_b(nullptr, 1, 1, 1)) tma_b;                     // the store form's b
@@ -144,37 +254,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 0 && cute::elect_one_sync()) {
       const int total = sched.total_tiles();
-      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.k, 1));
-      Tensor gA = local_tile(mA, Shape<Int<Config::kBlockM>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BM, BK, m, k, 1)
-      Tensor sA = make_tensor(make_smem_ptr(smem.a), Config::SmemLayout{});
-      auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
         const GroupedTile t = sched.tile(linear);
         for (int kb = t.k_begin; kb < t.k_end; ++kb) {
           pipeline.producer_acquire(state);
-          auto* bar = pipeline.producer_get_barrier(state);
-          const int s = state.index();
-          copy(p.tma_a.with(*bar), tAg(_, t.m_block, kb, 0), tAs(_, s));
-          if constexpr (kGateUp) {
-            Tensor sH = make_tensor(make_smem_ptr(smem.b), Fp8SmemLayoutHalves{});  // (64, BK, 2*STAGES)
-            static_for<2>([&](auto half_) {
-              constexpr int half = decltype(half_)::value;
-              const auto& tma = half == 0 ? p.tma_gate : p.tma_up;
-              Tensor mW = tma.get_tma_tensor(make_shape(p.n, p.k, p.experts));
-              Tensor gW = local_tile(mW, Shape<_64, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (64, BK, n, k, e)
-              auto [tWg, tWs] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH), group_modes<0, 2>(gW));
-              copy(tma.with(*bar), tWg(_, t.n_block, kb, t.expert), tWs(_, 2 * s + half));
-            });
-          } else {
-            Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.experts));
-            Tensor gB = local_tile(mB, Shape<Int<Config::kBlockN>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BN, BK, n, k, e)
-            Tensor sB = make_tensor(make_smem_ptr(smem.b), Config::SmemLayout{});
-            auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
-            copy(p.tma_b.with(*bar), tBg(_, t.n_block, kb, t.expert), tBs(_, s));
-          }
-          SM90_BULK_COPY_G2S::copy(p.a_scales + int64_t(kb) * p.rows + int64_t(t.m_block) * Config::kBlockM, bar,
-                                   smem.a_scales[s], int32_t(Config::kScaleBytes));
+          load_fp8_k_block<kGateUp>(p.tma_a, p.tma_b, p.tma_gate, p.tma_up, p.rows, p.k, p.n, p.experts, p.a_scales,
+                                    p.rows, smem, pipeline.producer_get_barrier(state), state.index(), t, kb);
           ++state;
         }
       }
@@ -204,62 +290,15 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     int chunk = 0;  // the staging tile of the next chunk: chunk % 2 (the gate|up form stores an odd count per tile)
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const GroupedTile t = sched.tile(linear);
-      clear(acc);  // an expert's k-blocks always exist (k >= 1): every tile reduces at least one
       // The weight scales of the tile's b rows: a 128-row block (store), or the 64-row halves'
       // blocks of W_gate and W_up (gate|up).
       const int64_t scale_row = int64_t(t.expert) * p.b_scale_rows + (kGateUp ? t.n_block / 2 : t.n_block);
       const float* sb = p.b_scales + scale_row * p.k_blocks;
-      const float* su = kGateUp ? p.up_scales + scale_row * p.k_blocks : sb;
-      // Each k-block's weight scales are read one k-block ahead: the load's latency is off the
-      // promotion that needs them.
-      float next_b = __ldg(sb + t.k_begin), next_up = kGateUp ? __ldg(su + t.k_begin) : next_b;
-      for (int kb = t.k_begin; kb < t.k_end; ++kb) {
-        const float b_scale = next_b, up_scale = next_up;
-        if (kb + 1 < t.k_end) {
-          next_b = __ldg(sb + kb + 1);
-          next_up = kGateUp ? __ldg(su + kb + 1) : next_b;
-        }
-        pipeline.consumer_wait(state);
-        const int s = state.index();
-        warpgroup_fence_operand(tmp);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-          cute::gemm(mma, tCrA(_, _, kk, s), tCrB(_, _, kk, s), tmp);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tmp);
-        const float a0 = smem.a_scales[s][r0], a1 = smem.a_scales[s][r0 + 8];
-        pipeline.consumer_release(state);  // the scales and operands of stage s are read
-        ++state;
-        // Powers of two: every product with a scale is exact (short of fp32's range ends), so the
-        // order of the products is free, and one fused multiply-add rounds as the oracle's
-        // multiply then add: half the instructions of the two (they were 30% of the samples).
-        const float s0 = a0 * b_scale, s1 = a1 * b_scale, u0 = a0 * up_scale, u1 = a1 * up_scale;
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc); ++i) {
-          const bool row0 = (i / 2) % 2 == 0, up = kGateUp && i >= 32;
-          acc(i) = __fmaf_rn(tmp(i), up ? (row0 ? u0 : u1) : (row0 ? s0 : s1), acc(i));
-        }
-      }
+      reduce_scaled_k_blocks<kGateUp>(mma, tCrA, tCrB, acc, tmp, pipeline, state, smem.a_scales, r0, sb,
+                                      kGateUp ? p.up_scales + scale_row * p.k_blocks : sb, t.k_begin, t.k_end);
       if constexpr (kGateUp) {
-        // g|u first (when saved), then h: values i (gate column c) and i + 32 (up column c).
-        if (p.save_gu) {
-          static_for<2>([&](auto plane_) {
-            constexpr int plane = decltype(plane_)::value;
-            const float lo = plane == 0 ? -INFINITY : -p.limit;
-            store_saved_chunk<32 * plane>(smem.staging[0], chunk++, plane == 0 ? p.g : p.u, tCcC, 64 * plane,
-                                          t.m_block, t.n_block, thread, acc, p.has_limit, lo, p.limit);
-          });
-        }
-        store_chunk<0>(smem.staging[0], chunk++, p.out, tCcC, 0, t.m_block, t.n_block, 0, thread, [&](auto i_) {
-          constexpr int i = decltype(i_)::value;
-          return __floats2bfloat162_rn(swiglu(acc(i), acc(i + 32), p.has_limit, p.limit),
-                                       swiglu(acc(i + 1), acc(i + 33), p.has_limit, p.limit));
-        });
+        fp8_swiglu_epilogue(smem.staging[0], chunk, p.out, p.g, p.u, p.save_gu, p.has_limit, p.limit, acc, tCcC,
+                            t.m_block, t.m_block, t.n_block, thread);
       } else {
         // bf16 out, 64 columns a chunk (values [32c, 32c + 32) of the fragment).
         static_for<2>([&](auto c_) {

@@ -156,6 +156,8 @@ struct MegaPassParams {
   __nv_bfloat16* combine[kMaxRanks];       // [T*k, H] slots on each rank: where rows are pushed
   uint32_t* arrived[kMaxRanks];            // rank s's arrival word of this (source) rank
   MOK_EXPERIMENT_FIELDS
+  // The fp8 forward's pull also copies each row's scales (megakernel_fp8.cuh: MegaFp8ForwardParams).
+  static constexpr bool kPullsScales = false;
 };
 
 struct MegaForwardParams : MegaPassParams {
@@ -361,6 +363,23 @@ __device__ __forceinline__ const uint4* source_row(const Params& p, int r) {
 // token's first row on this rank, pulled in an earlier minibatch (else null). (pull_minibatches
 // keeps its own copy of this body: through this function the comm warps' loop spilled 8 bytes of
 // their 40 registers.)
+// The fp8 forward's row scales (Params::kPullsScales): schedule row r's ceil(H / 128) scales into
+// column `ring_row` of the ring's k-block-major scales [H / 128, ring_rows] (the layout the GEMM's
+// bulk copy reads), from its rank's x scales or from ring row `from_row` (>= 0) where its token was
+// pulled before; 0 for a padding row.
+template <class Params>
+__device__ __forceinline__ void pull_scales(const Params& p, int r, int ring_row, int lane, int from_row) {
+  const bool token = is_token_row(p, r);
+  for (int kb = lane; kb < p.scale_blocks; kb += 32) {
+    float v = 0.0f;
+    if (token) {
+      v = from_row >= 0 ? p.ring_scales[int64_t(kb) * p.ring_rows + from_row]
+                        : p.x_scales[p.src_rank[r]][int64_t(p.src_slot[r] / p.topk) * p.scale_blocks + kb];
+    }
+    p.ring_scales[int64_t(kb) * p.ring_rows + ring_row] = v;
+  }
+}
+
 template <int kUnroll, class Params>
 __device__ __forceinline__ void pull_row(const Params& p, int r, uint4* dst, int lane, const uint4* from) {
   const bool token = is_token_row(p, r);
@@ -421,6 +440,7 @@ __device__ void pull_minibatches_once(const Params& p, int used, int first, int 
       const bool copy = f >= 0 && f < row0 && ld_acquire_gpu(&p.x_ready[f / p.mb_rows]) >= pulling_teams(p);
       pull_row<kUnroll>(p, r, p.ring_x + int64_t(r) * p.row_vectors, lane,
                         copy ? p.ring_x + int64_t(f) * p.row_vectors : nullptr);
+      if constexpr (Params::kPullsScales) pull_scales(p, r, r, lane, copy ? f : -1);
     }
     count_pulled(p, b, leader, sync);
   }
@@ -476,6 +496,7 @@ __device__ void pull_minibatches(const Params& p, int used, int first, int strid
         dst -= lane;
         for (int v = lane; v < p.row_vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);  // padding row
       }
+      if constexpr (Params::kPullsScales) pull_scales(p, r, (b % slots) * p.mb_rows + (r - row0), lane, -1);
     }
     sync();  // the team's rows of b are written
     if (leader) {
@@ -531,7 +552,8 @@ struct PushTarget {
   __device__ bool skips_push() const { return MOK_SKIPS(p, kSkipPush); }
 };
 
-template <class Target, class Acc, class Coords>
+// kHalves: the tile's 128-column halves (2: the bf16 down tile's 256 columns; 1: the fp8 one's 128).
+template <int kHalves = 2, class Target, class Acc, class Coords>
 __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc, const Coords& coords, int thread,
                           bfloat16_t* staging) {
   const int piece = thread % 8;
@@ -546,7 +568,7 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
     where[i] = rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots() ? -1 : rank << 24 | slot;
   }
   if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
-  static_for<2>([&](auto half_) {
+  static_for<kHalves>([&](auto half_) {
     constexpr int half = decltype(half_)::value;
     consumers_sync();  // (half 0: the staging tiles are free; half 1: nobody reads them any more)
     static_for<2>([&](auto b_) {
@@ -566,7 +588,7 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
       __nv_bfloat16* dst = p.dest(where[i] >> 24) + int64_t(where[i] & 0xffffff) * p.width();
       CUTE_UNROLL
       for (int b = 0; b < 2; ++b) {
-        const int col = n_block * GemmConfig::kBlockN + 64 * (2 * half + b) + 8 * piece;
+        const int col = n_block * (128 * kHalves) + 64 * (2 * half + b) + 8 * piece;
         Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
         if (col < p.width() && !p.skips_push())
           *reinterpret_cast<uint4*>(dst + col) = load_shared_16(&sC(r, 8 * piece));
@@ -623,6 +645,37 @@ struct ForwardPass {
   }
 };
 
+// Warp 0 of a compute CTA: the schedule's segments into the CTA's tile scheduler (a malformed
+// schedule's status into the status words, once). A call given up before the launch (its start
+// barrier found a rank making another call, or timed out) runs no task and pulls no row: peers'
+// buffers may not have this rank's layout. Decided once here, so every role of the CTA sees the
+// same task count.
+template <class Params, class Tiles>
+__device__ __forceinline__ void init_pass_schedule(const Params& p, Tiles& tiles, int cta) {
+  const int bad = GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts>::init(tiles, p.offsets, p.experts,
+                                                                                          p.row_capacity);
+  if (bad != 0 && threadIdx.x == 0 && cta == 0) atomicCAS(p.status.words, 0, bad);
+  if (threadIdx.x == 0 && waits_abandoned(p.status)) tiles.status = kCallGivenUp;
+}
+
+// The consumers of a compute CTA after its last task: its pushes reach the peers, then the last
+// of the `ctas` compute CTAs sets this rank's arrival word on every rank to the call's epoch.
+template <class Params>
+__device__ __forceinline__ void announce_pushes(const Params& p, int consumer_thread, int ctas) {
+  drain_stores(consumer_thread);
+  // The pushes of every CTA reach the peers before the last CTA tells them so.
+  __threadfence_system();
+  consumers_sync();
+  if (consumer_thread == 0) {
+    const uint32_t before = atomicAdd(p.done_ctas, 1u);
+    if (before == uint32_t(ctas - 1)) {
+      __threadfence_system();
+      const uint32_t epoch = call_epoch(p.status);
+      for (int s = 0; s < p.ranks; ++s) st_release_sys(p.arrived[s], epoch);
+    }
+  }
+}
+
 // One rank's pass of two chained grouped GEMMs with its communication (see the top of this file).
 template <class Pass>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
@@ -643,13 +696,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   const int cta = blockIdx.x - p.comm_ctas, ctas = gridDim.x - p.comm_ctas;
 
   if (warp == 0) {
-    const int bad = GroupedTileScheduler<GemmConfig::kBlockM, GemmConfig::kMaxExperts>::init(
-        smem.tiles, p.offsets, p.experts, p.row_capacity);
-    if (bad != 0 && threadIdx.x == 0 && cta == 0) atomicCAS(p.status.words, 0, bad);
-    // A call given up before the launch (its start barrier found a rank making another call, or
-    // timed out) runs no task and pulls no row: peers' buffers may not have this rank's layout.
-    // Decided once here, so every role of the CTA sees the same task count.
-    if (threadIdx.x == 0 && waits_abandoned(p.status)) smem.tiles.status = kCallGivenUp;
+    init_pass_schedule(p, smem.tiles, cta);
     if (threadIdx.x == 0) {
       Mainloop::prefetch(p.first_load);
       Mainloop::prefetch(p.second_load);
@@ -765,18 +812,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         Pass::second_epilogue(p, task, acc, tCcC, consumer_thread, smem.staging[0]);
       }
     }
-    drain_stores(consumer_thread);
-    // The pushes of every CTA reach the peers before the last CTA tells them so.
-    __threadfence_system();
-    consumers_sync();
-    if (consumer_thread == 0) {
-      const uint32_t before = atomicAdd(p.done_ctas, 1u);
-      if (before == uint32_t(ctas - 1)) {
-        __threadfence_system();
-        const uint32_t epoch = call_epoch(p.status);
-        for (int s = 0; s < p.ranks; ++s) st_release_sys(p.arrived[s], epoch);
-      }
-    }
+    announce_pushes(p, consumer_thread, ctas);
   }
 }
 

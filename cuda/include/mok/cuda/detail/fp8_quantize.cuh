@@ -1,0 +1,28 @@
+// The device side of block-scaled e4m3 quantization, shared by the quantizers (src/fp8.cu) and
+// the fp8 forward megakernel's h (megakernel_fp8.cuh): the same codes and scales as the CPU oracle
+// (mok/core/fp8.h: block_scale and the quotient's conversion), bit for bit.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace mok::cuda::detail {
+
+// The smallest 2^e with amax <= 448 * 2^e, e in [-126, 127] (fp8::block_scale): amax = m * 2^E
+// with m in [1, 2) and 448 = 1.75 * 2^8, so e = E - 8, plus one where m > 1.75.
+__device__ __forceinline__ int fp8_scale_exponent(float amax) {
+  if (amax == 0.0f) return 0;
+  int e = ilogbf(amax) - 8;
+  if (amax > ldexpf(448.0f, e)) ++e;
+  return max(-126, min(127, e));
+}
+
+// v / 2^e as e4m3: a product with an exact power of two (inv = 2^-e is a float for e in
+// [-126, 127]), rounded once as the CPU's quotient is, then the conversion, nearest even and
+// saturating.
+__device__ __forceinline__ uint8_t fp8_code(float v, float inv) {
+  return __nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3);
+}
+
+}  // namespace mok::cuda::detail
