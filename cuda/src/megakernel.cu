@@ -59,14 +59,15 @@ uint32_t* signal_word(void* base, int64_t offset) { return SymmetricLayout::at<u
 
 #ifdef MOK_EXPERIMENTS
 int32_t experiment_skips() {
-  static const int32_t skips = [] {
+  const int32_t skips = [] {  // (read on every call: a timing run may change it between calls)
     const char* e = std::getenv("MOK_EXPERIMENT_SKIP");
     const std::string v = e != nullptr ? e : "";
     int32_t bits = 0;
     if (v.find("pull") != std::string::npos) bits |= detail::kSkipPull;
     if (v.find("push") != std::string::npos) bits |= detail::kSkipPush;
     if (v.find("waits") != std::string::npos) bits |= detail::kSkipWaits;
-    if (v.find("quantize") != std::string::npos) bits |= detail::kSkipQuantize;
+    if (v.find("quantize") != std::string::npos && v.find("lastquantizes") == std::string::npos) bits |= detail::kSkipQuantize;
+    if (v.find("lastquantizes") != std::string::npos) bits |= detail::kLastQuantizes;
     return bits;
   }();
   return skips;

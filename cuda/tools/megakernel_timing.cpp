@@ -314,18 +314,32 @@ void run(const Shape& s) {
     for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
   };
   // Rounds alternating which goes first (the clocks drift under the power cap).
-  std::vector<float> bf16_times, fp8_times;
+  std::vector<float> bf16_times, fp8_times, alt_times;
+  const char* ab = std::getenv("MOK_MK_TIMING_FP8_AB");  // MOK_EXPERIMENT_SKIP of a third variant (timing builds)
+  const int variants = ab != nullptr ? 3 : 2;
   for (int round = 0; round < 3; ++round) {
-    for (int i = 0; i < 2; ++i) {
-      if ((i + round) % 2 == 0) {
+    for (int i = 0; i < variants; ++i) {
+      const int v = (i + round) % variants;
+      if (v == 0) {
         bf16_times.push_back(time_ms(fused, 10, /*warmup=*/2));
-      } else {
+      } else if (v == 1) {
         fp8_times.push_back(time_ms(fused_fp8, 10, /*warmup=*/2));
+      } else {
+        const char* before = std::getenv("MOK_EXPERIMENT_SKIP");
+        const std::string saved = before != nullptr ? before : "";
+        setenv("MOK_EXPERIMENT_SKIP", ab, 1);
+        alt_times.push_back(time_ms(fused_fp8, 10, /*warmup=*/2));
+        setenv("MOK_EXPERIMENT_SKIP", saved.c_str(), 1);
       }
     }
   }
   std::sort(bf16_times.begin(), bf16_times.end());
   std::sort(fp8_times.begin(), fp8_times.end());
+  if (!alt_times.empty()) {
+    std::sort(alt_times.begin(), alt_times.end());
+    std::printf("  fp8 fused with MOK_EXPERIMENT_SKIP=%s: %8.3f ms (sorted %8.3f %8.3f %8.3f)\n", ab, alt_times[1],
+                alt_times[0], alt_times[1], alt_times[2]);
+  }
   CHECK_CUDA(cudaMemcpy(words, q[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
   const std::string fp8_status = mok::cuda::describe_wait_status(words);
   // The fp8 GEMMs alone on rank 0's rows (the same schedule: the same routing), with the same CTAs.

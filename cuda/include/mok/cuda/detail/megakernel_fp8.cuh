@@ -79,7 +79,18 @@ __device__ __forceinline__ void quantize_hidden_pair(const MegaFp8ForwardParams&
     }
     return;
   }
-  if (thread == 0) {
+  if (MOK_SKIPS(p, kLastQuantizes)) {  // timing only: whichever tile of the pair counts last quantizes it
+    __shared__ int last;
+    if (thread == 0) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      fence_proxy_async();
+      __threadfence();
+      last = atomicAdd(count, 1u) == 1 ? 1 : 0;
+      __threadfence();
+    }
+    consumers_sync();
+    if (!last) return;
+  } else if (thread == 0) {
     // The tile's h is in global memory (its bulk stores completed) before the count, or before
     // this thread's reads of it below.
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -92,8 +103,10 @@ __device__ __forceinline__ void quantize_hidden_pair(const MegaFp8ForwardParams&
     // The first tile's h (a give-up leaves garbage, as every wait's).
     wait_at_least<false>(count, 1u, p.status, kWaitHidden, task.row_block);
   }
-  if (!second) return;
-  consumers_sync();  // thread 0 has seen the first tile's count: its h is visible to the reads below
+  if (!MOK_SKIPS(p, kLastQuantizes)) {
+    if (!second) return;
+    consumers_sync();  // thread 0 has seen the first tile's count: its h is visible to the reads below
+  }
   const int64_t row = int64_t(task.tile.m_block) * GemmConfig::kBlockM + thread / 2;  // ring row
   const int col = 128 * pair + 64 * (thread % 2);
   // Through L2 (ld.global.cg): an earlier pair of this ring slot may sit in this SM's L1.
