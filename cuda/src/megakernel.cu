@@ -66,8 +66,7 @@ int32_t experiment_skips() {
     if (v.find("pull") != std::string::npos) bits |= detail::kSkipPull;
     if (v.find("push") != std::string::npos) bits |= detail::kSkipPush;
     if (v.find("waits") != std::string::npos) bits |= detail::kSkipWaits;
-    if (v.find("quantize") != std::string::npos && v.find("lastquantizes") == std::string::npos) bits |= detail::kSkipQuantize;
-    if (v.find("lastquantizes") != std::string::npos) bits |= detail::kLastQuantizes;
+    if (v.find("quantize") != std::string::npos) bits |= detail::kSkipQuantize;
     return bits;
   }();
   return skips;

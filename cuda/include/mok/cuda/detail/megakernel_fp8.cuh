@@ -8,9 +8,10 @@
 //   gate|up    tiles of 64 W_gate and the same 64 W_up rows (n_first = I / 64); the epilogue
 //              stores h (bf16) into the ring and g|u when saved, as the standalone kernel does.
 //   h -> e4m3  a row's scale covers 128 columns of h, which two gate|up tiles (columns 2j and
-//              2j + 1 of the row block) compute. The first counts its stored h in the pair's
-//              counter; the second waits for that, reads the pair's 128 x 128 h back (32 KiB, from
-//              L2), writes its codes and scales into the ring, and counts the pair in h_ready.
+//              2j + 1 of the row block) compute. Each counts itself in the pair's counter once
+//              its h is stored; the second to count reads the pair's 128 x 128 h back (32 KiB,
+//              from L2), writes its codes and scales into the ring, and counts the pair in h_ready.
+//              The codes are a function of h's bits alone, so which tile quantizes changes nothing.
 //   down       128 x 128 tiles on h's codes (n_second = H / 128), each waiting for all I / 128
 //              pairs of its row block; the push sends 128-column pieces of each row.
 // The same tiles, k order and promotions as experts_forward_fp8, so the fused forward equals the
@@ -59,54 +60,37 @@ struct MegaFp8SharedStorage {
   Fp8GemmConfig::Pipeline::SharedStorage pipeline;
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
   int task_of_stage[Fp8GemmConfig::kStages];  // the task whose first k-block a stage holds
+  int quantizes;                              // the gate|up tile just stored completed its column pair
 };
 
-// After a gate|up tile's epilogue. The pair's first tile (even column block 2j) counts its stored h
-// in the pair's counter, thread 0 alone (the others go on to their next task, as the bf16
-// forward's gate|up tiles). The second (2j + 1, later in the task order: its wait on the first
-// cannot deadlock) waits for that count, reads the pair's 128 columns of h for the row block
-// back, quantizes them (1 x 128 blocks: the codes and scales quantize_rows_e4m3_k_major gives) and
-// counts them in h_ready. Consumer thread t takes ring row t / 2 of the block and its 64 columns
-// 64 * (t % 2) of the pair (its partner t ^ 1 in the warp has the other 64).
-__device__ __forceinline__ void quantize_hidden_pair(const MegaFp8ForwardParams& p, const MegaTask& task, int thread) {
+// After a gate|up tile's epilogue: count the tile in its column pair; the pair's tile that counts
+// last quantizes the pair's 128 columns of h for the row block (1 x 128 blocks: the codes and
+// scales quantize_rows_e4m3_k_major gives) and counts them in h_ready. Consumer thread t takes
+// ring row t / 2 of the block and its 64 columns 64 * (t % 2) of the pair (its partner t ^ 1 in
+// the warp has the other 64). (Measured against a fixed quantizer, the pair's second tile waiting
+// for the first's count: that was 1-3% slower in the same process, session 19.)
+__device__ __forceinline__ void quantize_hidden_pair(const MegaFp8ForwardParams& p, const MegaTask& task, int thread,
+                                                     int& quantizes) {
   const int pairs = p.intermediate / 128, pair = task.tile.n_block / 2;
-  uint32_t* count = &p.pair_done[int64_t(task.row_block) * pairs + pair];
-  const bool second = task.tile.n_block % 2 == 1;
-  if (MOK_SKIPS(p, kSkipQuantize)) {  // timing only: the second tile counts the pair, nothing is quantized
-    if (thread == 0 && second) {
+  if (MOK_SKIPS(p, kSkipQuantize)) {  // timing only: the pair's odd tile counts it, nothing is quantized
+    if (thread == 0 && task.tile.n_block % 2 == 1) {
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
       add_release_gpu(&p.h_ready[task.row_block], 1);
     }
     return;
   }
-  if (MOK_SKIPS(p, kLastQuantizes)) {  // timing only: whichever tile of the pair counts last quantizes it
-    __shared__ int last;
-    if (thread == 0) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      fence_proxy_async();
-      __threadfence();
-      last = atomicAdd(count, 1u) == 1 ? 1 : 0;
-      __threadfence();
-    }
-    consumers_sync();
-    if (!last) return;
-  } else if (thread == 0) {
-    // The tile's h is in global memory (its bulk stores completed) before the count, or before
-    // this thread's reads of it below.
+  if (thread == 0) {
+    // The tile's h is in global memory (its bulk stores completed) before the count; the count
+    // releases it to the pair's other tile, and acquires that tile's h when it came first.
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     fence_proxy_async();
     __threadfence();
-    if (!second) {
-      add_release_gpu(count, 1);
-      return;
-    }
-    // The first tile's h (a give-up leaves garbage, as every wait's).
-    wait_at_least<false>(count, 1u, p.status, kWaitHidden, task.row_block);
+    const uint32_t before = atomicAdd(&p.pair_done[int64_t(task.row_block) * pairs + pair], 1u);
+    __threadfence();
+    quantizes = before == 1 ? 1 : 0;
   }
-  if (!MOK_SKIPS(p, kLastQuantizes)) {
-    if (!second) return;
-    consumers_sync();  // thread 0 has seen the first tile's count: its h is visible to the reads below
-  }
+  consumers_sync();  // (the flag's next write follows this tile's next epilogue, whose barriers come after this read)
+  if (!quantizes) return;
   const int64_t row = int64_t(task.tile.m_block) * GemmConfig::kBlockM + thread / 2;  // ring row
   const int col = 128 * pair + 64 * (thread % 2);
   // Through L2 (ld.global.cg): an earlier pair of this ring slot may sit in this SM's L1.
@@ -256,7 +240,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (!task.second) {
         fp8_swiglu_epilogue(smem.staging[0], chunk, p.h_out, p.g, p.u, p.save_gu, p.has_limit, p.limit, acc, tCcC,
                             task.tile.m_block, task.tile.save_m_block, task.tile.n_block, thread);
-        quantize_hidden_pair(p, task, thread);
+        quantize_hidden_pair(p, task, thread, smem.quantizes);
       } else {
         // The tile frees its ring rows for the minibatch S later (megakernel_kernel says why relaxed).
         if (p.ring_rows < p.row_capacity && thread == 0) add_relaxed_gpu(&p.y_done[task.minibatch], 1);
