@@ -16,6 +16,7 @@
 #include "mok/core/planner.h"
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
+#include "mok/cuda/fp8.h"
 #include "mok/cuda/megakernel.h"
 #include "mok/cuda/routing.h"
 
@@ -96,6 +97,54 @@ cuda::RoutingShape routing_shape(const MoeDesc& d) {
   return {d.ranks, d.tokens_per_rank, d.topk, d.num_experts};
 }
 
+// e4m3 codes with their fp32 scales (mok/cuda/fp8.h).
+struct Fp8Matrix {
+  DeviceArray<uint8_t> codes;
+  DeviceArray<float> scales;
+  Fp8Matrix() = default;
+  Fp8Matrix(size_t values, size_t scale_count, const std::string& what)
+      : codes(values, what + " (e4m3)"), scales(scale_count, what + " (scales)") {}
+};
+
+// A weight [planes, rows, cols] (bf16 on the device) quantized in 128 x 128 blocks.
+Fp8Matrix quantized_weight(const DeviceArray<uint16_t>& w, int64_t planes, int64_t rows, int64_t cols,
+                           const std::string& what, cudaStream_t stream) {
+  Fp8Matrix q(static_cast<size_t>(planes * rows * cols), static_cast<size_t>(planes * (rows / 128) * (cols / 128)), what);
+  cuda::quantize_blocks_e4m3(w.get(), planes, rows, cols, q.codes.get(), q.scales.get(), stream);
+  return q;
+}
+
+// The experts' fp8 forward of `rows` rows (x quantized first, only rows before offsets[El]); h,
+// g|u and y as experts_forward writes them.
+void staged_experts_fp8(int64_t rows, int64_t H, int64_t I, int64_t experts, const std::optional<float>& limit,
+                         const int32_t* offsets, const void* x, Fp8Matrix& x8, const Fp8Matrix& wg,
+                         const Fp8Matrix& wu, const Fp8Matrix& wd, void* gu, void* h, Fp8Matrix& h8, void* y,
+                         int32_t* status, cudaStream_t stream) {
+  cuda::quantize_rows_e4m3_k_major(x, rows, H, x8.codes.get(), x8.scales.get(), offsets + experts, stream);
+  cuda::ExpertsForwardFp8Args e;
+  e.row_capacity = rows;
+  e.hidden = H;
+  e.intermediate = I;
+  e.local_experts = experts;
+  e.expert_offsets = offsets;
+  e.x = x8.codes.get();
+  e.x_scales = x8.scales.get();
+  e.w_gate = wg.codes.get();
+  e.w_gate_scales = wg.scales.get();
+  e.w_up = wu.codes.get();
+  e.w_up_scales = wu.scales.get();
+  e.w_down = wd.codes.get();
+  e.w_down_scales = wd.scales.get();
+  e.gu = gu;
+  e.h = h;
+  e.h_codes = h8.codes.get();
+  e.h_scales = h8.scales.get();
+  e.y = y;
+  e.swiglu_limit = limit;
+  e.status = status;
+  cuda::experts_forward_fp8(e, stream);
+}
+
 // One emulated rank: what it owns as a source (x, routing, combine slots, y, shared expert) and as
 // a destination (its experts, schedule and row buffers).
 struct RankBuffers {
@@ -126,6 +175,10 @@ struct RankBuffers {
   DeviceArray<float> row_weights, d_row_weight;  // [cap]
   DeviceArray<float> d_gate, d_up, d_down;  // [El, I, H], [El, I, H], [El, H, I] fp32
   DeviceArray<int32_t> backward_status;
+  // fp8 (Precision::fp8_block): e4m3 codes and scales of the experts' weights (quantize_blocks_e4m3)
+  // and of the rows the fp8 forward reads (x rows, then h; quantize_rows_e4m3_k_major), routed and
+  // shared. The backward runs in bf16 from the bf16 x rows, g|u and h the fp8 forward saved.
+  Fp8Matrix w_gate8, w_up8, w_down8, x_rows8, h8, shared_x8, shared_h8;
 };
 
 struct Events {
@@ -210,9 +263,31 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   auto add = [&why](const std::string& what, const std::string& reason) {
     if (!reason.empty()) why += (why.empty() ? "" : "; ") + what + ": " + reason;
   };
-  if (d.precision != Precision::bf16)
-    add("precision " + std::string(to_string(d.precision)),
-        "the GPU layer runs bf16 only (the experts' fp8 forward has its kernels, the layer not yet)");
+  const bool fp8 = d.precision == Precision::fp8_block;
+  if (fp8) {
+    auto fp8_shape = [](int64_t rows, int64_t H, int64_t I, int64_t experts, const std::optional<float>& limit) {
+      cuda::ExpertsForwardFp8Args a;
+      a.row_capacity = round_up(rows, 4);
+      a.hidden = H;
+      a.intermediate = I;
+      a.local_experts = experts;
+      a.swiglu_limit = limit;
+      a.expert_offsets = placeholder<const int32_t>();
+      a.x = a.w_gate = a.w_up = a.w_down = placeholder<const uint8_t>();
+      a.x_scales = a.w_gate_scales = a.w_up_scales = a.w_down_scales = placeholder<const float>();
+      a.h = a.y = placeholder<void>();
+      a.h_codes = placeholder<uint8_t>();
+      a.h_scales = placeholder<float>();
+      return a;
+    };
+    add("routed experts (fp8)", cuda::can_implement(fp8_shape(cuda::routed_row_capacity(routing_shape(d)), d.hidden,
+                                                              d.intermediate, d.local_experts(), d.swiglu_limit)));
+    if (d.has_shared())
+      add("shared expert (fp8)", cuda::can_implement(fp8_shape(round_up(d.tokens_per_rank, cuda::kRowAlign), d.hidden,
+                                                               d.shared_intermediate, 1, d.swiglu_limit)));
+  } else if (d.precision != Precision::bf16) {
+    add("precision " + std::string(to_string(d.precision)), "the GPU layer runs bf16 and fp8_block");
+  }
   const cuda::RoutingShape shape = routing_shape(d);
   const int64_t cap = cuda::routed_row_capacity(shape);
   std::vector<const int32_t*> idx(static_cast<size_t>(std::min<int64_t>(d.ranks, cuda::kMaxRanks)),
@@ -345,7 +420,11 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
   const DeviceFacts facts = facts_for_gpu(props.name, ctas, static_cast<int64_t>(props.totalGlobalMem));
   const MoeConfig config = plan(planned, facts);
   const int64_t minibatch = config.minibatch_rows, cap = cuda::routed_row_capacity(shape);
-  const int64_t ring = (cap + minibatch - 1) / minibatch * minibatch;  // every row kept, for the backward
+  // bf16: every row kept, for the backward. fp8: the forward alone (its fused backward is not
+  // built), in the planner's ring.
+  const bool fp8 = d.precision == Precision::fp8_block;
+  const int64_t ring = fp8 ? config.ring_rows : (cap + minibatch - 1) / minibatch * minibatch;
+  if (fp8) out.fused_backward_skipped = "the fp8 forward's fused backward is not built";
   const int comm = std::min(config.comm_sms, ctas / 4);  // 0: comm warps
   const int64_t El = d.local_experts();
   out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
@@ -377,7 +456,7 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
     check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.dy), b.dy.get(), size_t(T * H) * 2, cudaMemcpyDeviceToDevice),
           "copy dy");
     bases.push_back(base);
-    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/true);
+    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/!fp8, fp8);
     f.y = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused y");
     f.gu = DeviceArray<uint16_t>(static_cast<size_t>(cap * 2 * I), "fused g|u");
     f.dx = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused dx");
@@ -422,11 +501,19 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         a.comm_ctas = comm;
         a.num_sms = ctas;
         a.swiglu_limit = d.swiglu_limit;
+        if (fp8) {
+          a.w_gate = b.w_gate8.codes.get();
+          a.w_up = b.w_up8.codes.get();
+          a.w_down = b.w_down8.codes.get();
+          a.w_gate_scales = b.w_gate8.scales.get();
+          a.w_up_scales = b.w_up8.scales.get();
+          a.w_down_scales = b.w_down8.scales.get();
+        }
         check(cudaEventRecord(f.start, f.stream), "event");
         cuda::moe_forward(a, f.stream);
         check(cudaEventRecord(f.stop, f.stream), "event");
       }
-      for (int r = 0; r < R; ++r) {  // the backward megakernel of every rank, after its forward
+      for (int r = 0; r < R && !fp8; ++r) {  // the backward megakernel of every rank, after its forward
         FusedRank& f = fr[static_cast<size_t>(r)];
         const RankBuffers& b = ranks[static_cast<size_t>(r)];
         for (const auto& [ptr, bytes] : {std::pair<void*, size_t>{f.dx.get(), f.dx.bytes()},
@@ -457,8 +544,10 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         float ms = 0;
         check(cudaEventElapsedTime(&ms, fr[0].start, f.stop), "event time");
         slowest = std::max(slowest, double(ms));
-        check(cudaEventElapsedTime(&ms, fr[0].backward_start, f.backward_stop), "event time");
-        slowest_backward = std::max(slowest_backward, double(ms));
+        if (!fp8) {
+          check(cudaEventElapsedTime(&ms, fr[0].backward_start, f.backward_stop), "event time");
+          slowest_backward = std::max(slowest_backward, double(ms));
+        }
       }
       for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
@@ -467,14 +556,15 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         const std::string why = cuda::describe_wait_status(words);
         if (!why.empty()) out.fused_difference = why;
         int32_t experts = 0;
-        check(cudaMemcpy(&experts, f.buffers->experts_status(), sizeof experts, cudaMemcpyDeviceToHost),
-              "read the expert kernels' status");
+        if (f.buffers->experts_status() != nullptr)
+          check(cudaMemcpy(&experts, f.buffers->experts_status(), sizeof experts, cudaMemcpyDeviceToHost),
+                "read the expert kernels' status");
         if (experts != 0) out.fused_backward_difference = cuda::status_message(experts);
       }
       if (run == 0) continue;
       out.fused_forward_ms.push_back(slowest);
-      out.fused_backward_ms.push_back(slowest_backward);
-      {  // the backward's outputs against the staged run's
+      if (!fp8) {  // the backward's outputs against the staged run's
+        out.fused_backward_ms.push_back(slowest_backward);
         bool same = out.fused_difference.empty() && out.fused_backward_difference.empty();
         auto first = [&](const std::string& name, const std::vector<float>& got, const std::vector<float>& want) {
           const int64_t at = first_bit_difference(got, want);
@@ -571,6 +661,13 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
     s_up.upload(to_bf16_bits(in.shared.up));
     s_down.upload(to_bf16_bits(in.shared.down));
   }
+  const bool fp8 = d.precision == Precision::fp8_block;
+  Fp8Matrix s_gate8, s_up8, s_down8;
+  if (fp8 && d.has_shared()) {
+    s_gate8 = quantized_weight(s_gate, 1, Is, H, "shared w_gate", stream.s);
+    s_up8 = quantized_weight(s_up, 1, Is, H, "shared w_up", stream.s);
+    s_down8 = quantized_weight(s_down, 1, H, Is, "shared w_down", stream.s);
+  }
   std::vector<RankBuffers> ranks(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     RankBuffers& b = ranks[static_cast<size_t>(r)];
@@ -635,7 +732,19 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
     b.d_down = DeviceArray<float>(expert_elems, "dW_down" + of);
     b.backward_status = DeviceArray<int32_t>(1, "backward status" + of);
     check(cudaMemset(b.backward_status.get(), 0, sizeof(int32_t)), "zero backward status");
+    if (fp8) {
+      b.w_gate8 = quantized_weight(b.w_gate, El, I, H, "w_gate" + of, stream.s);
+      b.w_up8 = quantized_weight(b.w_up, El, I, H, "w_up" + of, stream.s);
+      b.w_down8 = quantized_weight(b.w_down, El, H, I, "w_down" + of, stream.s);
+      b.x_rows8 = Fp8Matrix(scap * sH, sH / 128 * scap, "dispatched rows" + of);
+      b.h8 = Fp8Matrix(scap * sI, sI / 128 * scap, "h rows" + of);
+      if (d.has_shared()) {
+        b.shared_x8 = Fp8Matrix(sTpad * sH, sH / 128 * sTpad, "shared x" + of);
+        b.shared_h8 = Fp8Matrix(sTpad * sIs, sIs / 128 * sTpad, "shared h" + of);
+      }
+    }
   }
+  check(cudaStreamSynchronize(stream.s), "quantize the weights");
   // Scratch of the experts backward, consumed within one launch: one set serves every rank (the
   // launches are ordered on one stream).
   DeviceArray<uint16_t> dgu(scap * 2 * sI, "dg|du rows"), hw(scap * sI, "w*h rows");
@@ -715,6 +824,12 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
     }
     mark(2, timed);
     for (RankBuffers& b : ranks) {
+      if (fp8) {
+        staged_experts_fp8(cap, H, I, El, d.swiglu_limit, b.offsets.get(), b.x_rows.get(), b.x_rows8, b.w_gate8,
+                           b.w_up8, b.w_down8, b.gu.get(), b.h.get(), b.h8, b.y_rows.get(), b.experts_status.get(),
+                           stream.s);
+        continue;
+      }
       cuda::ExpertsForwardArgs e = experts_shape(cap, H, I, El, d.swiglu_limit);
       e.expert_offsets = b.offsets.get();
       e.x = b.x_rows.get();
@@ -740,6 +855,12 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
     mark(4, timed);
     if (d.has_shared()) {
       for (RankBuffers& b : ranks) {
+        if (fp8) {
+          staged_experts_fp8(Tpad, H, Is, 1, d.swiglu_limit, b.shared_offsets.get(), b.x.get(), b.shared_x8, s_gate8,
+                             s_up8, s_down8, b.shared_gu.get(), b.shared_h.get(), b.shared_h8, b.y_shared.get(),
+                             b.shared_status.get(), stream.s);
+          continue;
+        }
         cuda::ExpertsForwardArgs e = experts_shape(Tpad, H, Is, 1, d.swiglu_limit);
         e.expert_offsets = b.shared_offsets.get();
         e.x = b.x.get();
