@@ -436,8 +436,9 @@ struct PassTiles {
            experts * (2 * wg_m * wg_n + wd_m * wd_n);
   }
 };
-// Gate|up (128 gate and 128 up columns a tile), then down.
-PassTiles forward_tiles(int64_t H, int64_t I) {
+// Gate|up (128 gate and 128 up columns a tile), then down; fp8: 64 and 64, then 128-column tiles.
+PassTiles forward_tiles(int64_t H, int64_t I, bool fp8 = false) {
+  if (fp8) return {ceil_div(I, int64_t{64}), ceil_div(H, int64_t{128})};
   return {ceil_div(I, int64_t{GemmConfig::kHalfN}), ceil_div(H, int64_t{GemmConfig::kBlockN})};
 }
 // dh with the SwiGLU backward (one tile per d topk_w partial block), dx, then the weight gradients.
@@ -477,7 +478,7 @@ std::string can_implement(const MoeForwardArgs& a) {
         << "; ";
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   if (a.row_capacity > 0 && a.hidden > 0 && a.intermediate > 0)
-    why << tile_limit("forward", forward_tiles(a.hidden, a.intermediate).total(a.row_capacity, 0));
+    why << tile_limit("forward", forward_tiles(a.hidden, a.intermediate, a.fp8).total(a.row_capacity, 0));
   if (a.fp8) {
     if (a.hidden % 128 != 0 || a.intermediate % 128 != 0)
       why << "fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got " << a.hidden << " and "
@@ -550,8 +551,9 @@ void launch_fp8_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaStrea
   wire_pass(p, a, a.ring_x, a.ring_rows, comm, l.x_codes, l.combine, l.combine_arrived(me));
   p.row_vectors = int(H / 16);  // a row of codes
   p.skip_padding_halves = 0;    // (the fp8 tasks compute whole tiles)
-  p.n_first = i / 64;           // 64 W_gate and 64 W_up rows a tile
-  p.n_second = h / 128;
+  const PassTiles tiles = forward_tiles(H, I, /*fp8=*/true);
+  p.n_first = int(tiles.n_first);  // 64 W_gate and 64 W_up rows a tile
+  p.n_second = int(tiles.n_second);
   p.k_first = h / 128;
   p.k_second = i / 128;
   p.tma_x = detail::fp8_tma_a(e4m3(a.ring_x), ring, h);

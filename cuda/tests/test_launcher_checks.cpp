@@ -65,6 +65,48 @@ TEST(MegakernelChecks, CallsOfTwoToThe30TilesAreRefusedByName) {
   EXPECT_EQ(can_implement(b).find(backward), std::string::npos) << can_implement(b);
 }
 
+// The fp8 forward (MoeForwardArgs::fp8): whole 128-column scale blocks, its buffers, and twice the
+// bf16 forward's tiles per row block in the tile limit, each refused by name; FusedBuffers refuses
+// fp8 with keep_rows (its backward is not built) and partial blocks before allocating anything.
+TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
+  MoeForwardArgs a;
+  a.fp8 = true;
+  a.hidden = 200;
+  a.intermediate = 256;
+  EXPECT_NE(can_implement(a).find("fp8 needs hidden and intermediate multiples of 128"), std::string::npos)
+      << can_implement(a);
+  EXPECT_NE(can_implement(a).find("fp8 needs the weights' scales"), std::string::npos) << can_implement(a);
+  a.hidden = 256;
+  EXPECT_EQ(can_implement(a).find("multiples of 128"), std::string::npos) << can_implement(a);
+  a.fp8 = false;
+  EXPECT_EQ(can_implement(a).find("fp8"), std::string::npos) << can_implement(a);
+
+  // 1 down tile of 128 and 256 gate|up tiles of 64 + 64 columns: 257 tiles per row block.
+  const char* what = "too many tiles for one forward call";
+  a.fp8 = true;
+  a.hidden = 128;
+  a.intermediate = 16384;
+  a.row_capacity = ((int64_t{1} << 30) + 256) / 257 * 128;  // the fewest row blocks reaching 2^30 tiles
+  EXPECT_NE(can_implement(a).find(what), std::string::npos) << can_implement(a);
+  a.row_capacity -= 128;
+  EXPECT_EQ(can_implement(a).find(what), std::string::npos) << can_implement(a);
+
+  const RoutingShape shape{1, 64, 2, 4};
+  try {
+    FusedBuffers b(shape, 256, 256, 128, 128, /*keep_rows=*/true, /*fp8=*/true);
+    ADD_FAILURE() << "fp8 with keep_rows was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("the fp8 forward's backward is not built"), std::string::npos) << e.what();
+  }
+  try {
+    FusedBuffers b(shape, 256, 192, 128, 128, /*keep_rows=*/false, /*fp8=*/true);
+    ADD_FAILURE() << "fp8 with intermediate 192 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8 needs hidden and intermediate multiples of 128"), std::string::npos)
+        << e.what();
+  }
+}
+
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
 // cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows;
 // anything else is refused by name, by can_implement and before a kernel is launched (the
