@@ -35,6 +35,7 @@ struct ForwardHandle {
   mok::cuda::MoeForwardArgs args;
   mok::cuda::MoeBackwardArgs backward;  // its scratch, when the handle has a backward
   bool keeps_rows = false;
+  bool fp8 = false;          // the block-scaled fp8 forward (mok_cuda_forward_run_fp8; no backward)
   int64_t context_rows = 0;  // rows of a kept context's x_rows / h / gu (the row capacity, whole minibatches)
   mok::MoeConfig config;
   std::unique_ptr<mok::cuda::FusedBuffers> buffers;  // every local buffer, one allocation
@@ -315,13 +316,16 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 // choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel).
 // `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
+// fp8: the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8; forward only, so
+// not with keep_rows).
+//
 // keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
 // (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
 // (training: autograd saves them per call, so layers sharing a handle do not collide).
 void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64_t hidden, int64_t intermediate,
                               int64_t num_experts, int64_t topk, int has_limit, float limit, int comm_sms,
                               int64_t minibatch_rows, int64_t ring_rows, int fused_backward, int keep_rows,
-                              double timeout_s,
+                              int fp8, double timeout_s,
                               char* plan_text, int plan_len, char* error, int error_len) {
   try {
     mok::MoeDesc d;
@@ -332,7 +336,10 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     d.num_experts = num_experts;
     d.topk = topk;
     if (has_limit) d.swiglu_limit = limit;
+    if (fp8) d.precision = mok::Precision::fp8_block;  // (whole 128-column scale blocks)
     d.validate();
+    if (fp8 && keep_rows)
+      throw std::invalid_argument("fp8 runs the forward only (inference): its backward is not built, so no keep_rows");
     if (ranks > mok::cuda::kMaxRanks)
       throw std::invalid_argument("ranks=" + std::to_string(ranks) + " exceeds the kernels' pointer tables (" +
                                   std::to_string(mok::cuda::kMaxRanks) + ")");
@@ -355,13 +362,14 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     mok::cuda::MoeForwardArgs& a = h->args;
     a.rank = rank;
     h->keeps_rows = keep_rows != 0;
+    h->fp8 = fp8 != 0;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
     a.timeout_s = timeout_s;
     h->buffers = std::make_unique<mok::cuda::FusedBuffers>(mok::cuda::RoutingShape{ranks, tokens, topk, num_experts},
                                                            hidden, intermediate, c.minibatch_rows, c.ring_rows,
-                                                           h->keeps_rows);
+                                                           h->keeps_rows, h->fp8);
     h->buffers->wire(a);
     const int64_t cap = a.row_capacity;
     h->context_rows = (cap + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
@@ -433,6 +441,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
                          void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
   try {
     auto* h = static_cast<ForwardHandle*>(handle);
+    if (h->fp8) throw std::invalid_argument("this forward was made with fp8: call mok_cuda_forward_run_fp8");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
     bind_bases(*h, bases, table);
@@ -456,6 +465,40 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
       a.src_rank = static_cast<int32_t*>(c.src_rank);
       a.src_slot = static_cast<int32_t*>(c.src_slot);
     }
+    run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
+    return 0;
+  } catch (const std::invalid_argument& e) {  // bad arguments: 1
+    write_error(e, error, error_len);
+    return 1;
+  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
+    write_error(e, error, error_len);
+    return 2;
+  }
+}
+
+// One call of the block-scaled fp8 forward (a handle made with fp8; megakernel.h:
+// MoeForwardArgs::fp8): the weights as e4m3 codes with their 128 x 128 block scales
+// (mok_cuda_quantize_blocks_e4m3), the rest as mok_cuda_forward_run without a context.
+int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_gate, const void* w_gate_scales,
+                             const void* w_up, const void* w_up_scales, const void* w_down, const void* w_down_scales,
+                             const void* y_shared, void* y_shared_ready, void* y, void* stream, char* error,
+                             int error_len) {
+  try {
+    auto* h = static_cast<ForwardHandle*>(handle);
+    if (!h->fp8) throw std::invalid_argument("this forward was made without fp8: call mok_cuda_forward_run");
+    void* table[mok::cuda::kMaxRanks];
+    bind_bases(*h, bases, table);
+    mok::cuda::MoeForwardArgs a = h->args;
+    a.bases = table;
+    a.w_gate = w_gate;
+    a.w_up = w_up;
+    a.w_down = w_down;
+    a.w_gate_scales = static_cast<const float*>(w_gate_scales);
+    a.w_up_scales = static_cast<const float*>(w_up_scales);
+    a.w_down_scales = static_cast<const float*>(w_down_scales);
+    a.y_shared = y_shared;
+    a.y_shared_ready = static_cast<cudaEvent_t>(y_shared_ready);
+    a.y = y;
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
     return 0;
   } catch (const std::invalid_argument& e) {  // bad arguments: 1

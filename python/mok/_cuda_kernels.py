@@ -54,7 +54,7 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_forward_create.restype = ctypes.c_void_p
     lib.mok_cuda_forward_create.argtypes = [ctypes.c_int64] * 7 + [
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-        ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
     # handle, bases, then 10 tensors and events, d_w_bf16, replay, 6 context buffers and the stream, then the
     # error buffer.
@@ -68,6 +68,10 @@ def _lib() -> ctypes.CDLL:
     # handle, bases, then 5 tensors and an event, 6 context buffers and the stream, then the error buffer.
     lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 13 + [
         ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_forward_run_fp8.restype = ctypes.c_int
+    # handle, bases, then 6 weight tensors, y_shared, its event, y and the stream, then the error buffer.
+    lib.mok_cuda_forward_run_fp8.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [
+        ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_check.restype = ctypes.c_int
@@ -356,14 +360,15 @@ class FusedForward:
 
     def __init__(self, *, ranks: int, rank: int, tokens: int, hidden: int, intermediate: int, num_experts: int,
                  topk: int, swiglu_limit: float | None = None, comm_sms: int = 0, minibatch_rows: int = 0,
-                 ring_rows: int = 0, fused_backward: int = -1, keep_rows: bool = False,
+                 ring_rows: int = 0, fused_backward: int = -1, keep_rows: bool = False, fp8: bool = False,
                  timeout_s: float = 10.0) -> None:
         self._handle = None
         plan = ctypes.create_string_buffer(4096)
         error = ctypes.create_string_buffer(512)
         handle = _lib().mok_cuda_forward_create(
             ranks, rank, tokens, hidden, intermediate, num_experts, topk, int(swiglu_limit is not None),
-            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, fused_backward, int(keep_rows), timeout_s,
+            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, fused_backward, int(keep_rows), int(fp8),
+            timeout_s,
             plan,
             len(plan), error, len(error))
         if not handle:
@@ -374,6 +379,7 @@ class FusedForward:
         self.local_experts = num_experts // ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.keep_rows = keep_rows
+        self.fp8 = fp8
         self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
         self.context_rows = int(_lib().mok_cuda_forward_context_rows(handle))
 
@@ -415,6 +421,32 @@ class FusedForward:
         ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
                                          _event(y_shared_ready), _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
+        _raise(rc, error)
+
+    def run_fp8(self, bases: list[int], w_gate: tuple[torch.Tensor, torch.Tensor],
+                w_up: tuple[torch.Tensor, torch.Tensor], w_down: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor,
+                *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None) -> None:
+        """The block-scaled fp8 forward (a FusedForward made with ``fp8``): each weight as
+        :func:`quantize_weights` gives it, (codes float8_e4m3fn, 128 x 128 block scales); the call
+        quantizes this rank's x (in its symmetric buffer) itself. Otherwise as :meth:`run` without a
+        context. Asynchronous on the current stream."""
+        T, H, I = self.tokens, self.hidden, self.intermediate
+        El = self.local_experts
+        e4m3, f32 = torch.float8_e4m3fn, torch.float32
+        self._check_bases(bases, y.device)
+        specs = [("w_gate", w_gate[0], (El, I, H), e4m3), ("w_gate scales", w_gate[1], (El, I // 128, H // 128), f32),
+                 ("w_up", w_up[0], (El, I, H), e4m3), ("w_up scales", w_up[1], (El, I // 128, H // 128), f32),
+                 ("w_down", w_down[0], (El, H, I), e4m3),
+                 ("w_down scales", w_down[1], (El, H // 128, I // 128), f32), ("y", y, (T, H), torch.bfloat16)]
+        if y_shared is not None:
+            specs.append(("y_shared", y_shared, (T, H), torch.bfloat16))
+        _check_tensors(tuple(specs), device=y.device)
+        table = (ctypes.c_int64 * self.ranks)(*bases)
+        error = ctypes.create_string_buffer(512)
+        rc = _lib().mok_cuda_forward_run_fp8(
+            self._handle, table, _ptr(w_gate[0]), _ptr(w_gate[1]), _ptr(w_up[0]), _ptr(w_up[1]), _ptr(w_down[0]),
+            _ptr(w_down[1]), _ptr(y_shared), _event(y_shared_ready), _ptr(y), torch.cuda.current_stream().cuda_stream,
+            error, len(error))
         _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,

@@ -33,6 +33,7 @@ rank) nothing is called at all.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,16 +57,18 @@ class _Key:
     device: int
     plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows,
     #                                         fused_backward)
+    fp8: bool = False  # the block-scaled fp8 forward (inference only)
 
     def shapes(self) -> tuple[object, ...]:
-        return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device)
+        return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device,
+                self.fp8)
 
 
 def _key(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-         plan: dict[str, int] | None) -> _Key:
+         plan: dict[str, int] | None, fp8: bool = False) -> _Key:
     El, I, H = w_gate.shape
     return _Key(group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size, topk, swiglu_limit,
-                x.device.index or 0, tuple(sorted((plan or {}).items())))
+                x.device.index or 0, tuple(sorted((plan or {}).items())), fp8)
 
 
 class _Workspace:
@@ -79,7 +82,8 @@ class _Workspace:
             "tokens per rank": T, "hidden": H, "intermediate": key.intermediate, "experts": key.num_experts,
             "topk": k, "swiglu_limit": key.swiglu_limit, "MoeConfig comm_sms": plan.get("comm_sms"),
             "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows"),
-            "MoeConfig fused_backward": plan.get("fused_backward")})
+            "MoeConfig fused_backward": plan.get("fused_backward"),
+            "MoeConfig precision": "fp8" if key.fp8 else "bf16"})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -101,7 +105,7 @@ class _Workspace:
             torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
-                                          keep_rows=True, **dict(key.plan))
+                                          keep_rows=not key.fp8, fp8=key.fp8, **dict(key.plan))
         self.x = self._view("x", torch.bfloat16, (T, H))
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
@@ -125,8 +129,8 @@ def _refuse_in_capture(what: str) -> None:
 
 
 def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-              plan: dict[str, int] | None = None) -> _Workspace:
-    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan)
+              plan: dict[str, int] | None = None, fp8: bool = False) -> _Workspace:
+    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan, fp8)
     ws = _WORKSPACES.get(key)
     if ws is None:
         _refuse_in_capture("the workspace")
@@ -135,12 +139,12 @@ def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limi
     return ws
 
 
-def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object) -> bool:
+def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object, fp8: bool = False) -> bool:
     """Whether a call of these shapes on this group has made its workspace here already (so the
     peers are past that workspace's agreement), as far as the inputs tell: True when they do not
     (an input without a shape)."""
     try:
-        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None).shapes()  # type: ignore[arg-type,attr-defined]
+        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None, fp8).shapes()  # type: ignore[arg-type,attr-defined]
     except (AttributeError, IndexError, TypeError, ValueError):
         return True
     return any(k.shapes() == shapes for k in _WORKSPACES)
@@ -152,6 +156,7 @@ def clear() -> None:
         ws.fused.close()
     _WORKSPACES.clear()
     _SHARED_ROWS.clear()
+    _FP8_WEIGHTS.clear()
 
 
 def check() -> None:
@@ -333,9 +338,48 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
     return (dx[:T], d_gate[0].to(s_gate.dtype), d_up[0].to(s_up.dtype), d_down[0].to(s_down.dtype))
 
 
+# The fp8 forward's weights, quantized once per weight tensor and version (a step that changes a
+# weight in place bumps its version): (data_ptr, shape, dtype, version) -> (codes, scales). Weak on
+# the weight, so a dropped weight drops its codes.
+_FP8_WEIGHTS: "weakref.WeakKeyDictionary[Tensor, tuple[tuple[object, ...], tuple[Tensor, Tensor]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as block-scaled e4m3
+    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached."""
+    stamp = (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
+    cached = _FP8_WEIGHTS.get(w)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    planes = w if w.dim() == 3 else w.unsqueeze(0)
+    q = kernels.quantize_weights(_bf16(planes).contiguous())
+    _FP8_WEIGHTS[w] = (stamp, q)
+    return q
+
+
+def _shared_expert_fp8(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor,
+                       swiglu_limit: float | None) -> Tensor:
+    """y_shared of the replicated shared expert in block-scaled fp8 (experts_forward_fp8, one expert
+    whose rows are all the tokens), as the routed experts of an fp8 call."""
+    T, H = x.shape
+    offsets, weight = _shared_rows(T, x.device)
+    rows = weight.shape[0]
+    wg, wu, wd = (_fp8_weight(w) for w in (s_gate, s_up, s_down))
+    Is = wg[0].shape[1]
+    h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
+    h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
+    kernels.experts_forward_fp8(kernels.quantize_rows(_padded(x.to(torch.bfloat16), rows)), offsets, wg, wu, wd, h=h,
+                                y=y, h_codes=h_codes, swiglu_limit=swiglu_limit)
+    return y[:T]
+
+
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
-        group_name: str, save_context: bool = True, plan: dict[str, int] | None = None) -> Tensor:
+        group_name: str, save_context: bool = True, plan: dict[str, int] | None = None,
+        precision: str = "bf16") -> Tensor:
     """The checked inputs of :func:`mok.functional.moe` on the GPU. Without autograd (no_grad, or
     no input that requires grad) the forward keeps no context at all. ``plan``: the planner's
     overrides resolved from a MoeConfig (comm_sms, minibatch_rows, ring_rows, fused_backward)."""
@@ -347,6 +391,11 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    fp8 = precision == "fp8"
+    if fp8 and needs_grad:
+        raise NotImplementedError("mok: precision='fp8' runs the forward only (inference): its backward is not "
+                                  "built. Call it under torch.no_grad() (or with inputs that do not require grad), "
+                                  "or train with precision='bf16'")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
@@ -355,7 +404,19 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
             return y
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
-        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan)
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, fp8)
+        if fp8:
+            xc = x.contiguous()
+            y_shared = None
+            if s_gate is not None and s_up is not None and s_down is not None:
+                y_shared = _shared_expert_fp8(xc, s_gate, s_up, s_down, swiglu_limit)
+            ws.x.copy_(xc)
+            ws.topk_idx.copy_(topk_idx)
+            ws.topk_w.copy_(topk_w)
+            y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+            ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y,
+                             y_shared=y_shared)
+            return y
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
         if not needs_grad:
             y_shared = None

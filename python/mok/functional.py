@@ -68,7 +68,11 @@ SharedWeights = tuple[Tensor, Tensor, Tensor]
 class MoeConfig:
     """Overrides of the planner's choices (``None``: the planner's default, see ``Workspace.explanation``).
 
-    These shape the GPU megakernel's pipeline; results do not depend on them.
+    The planner's fields shape the GPU megakernel's pipeline; results do not depend on them.
+    ``precision`` does: None or "bf16" (the default), or "fp8": block-scaled e4m3 experts (1 x 128
+    scales on x and h, 128 x 128 on the weights, each k-block promoted into fp32; the fp8 megakernel
+    pulls half the bytes). fp8 runs on the GPU, forward only (inference, no autograd), with hidden
+    and intermediate multiples of 128; the weights are quantized once per weight version.
     """
 
     comm_sms: int | None = None  # SMs that only move data (None/0: 3 warps of every CTA pull the rows)
@@ -77,6 +81,7 @@ class MoeConfig:
     ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
     # The GPU backward as one megakernel launch (True) or as stage kernels (False): the same bits.
     fused_backward: bool | None = None
+    precision: str | None = None  # None / "bf16", or "fp8" (GPU inference)
 
 
 class Schedule(NamedTuple):
@@ -209,8 +214,19 @@ def _check_config(config: object) -> None:
         if f.name == "fused_backward":
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"MoeConfig.fused_backward must be a bool or None, got {type(value).__name__}")
+        elif f.name == "precision":
+            if value not in PRECISIONS:
+                raise ValueError(f"MoeConfig.precision must be one of {PRECISIONS}, got {value!r}")
         else:
             _int_or_none(value, f"MoeConfig.{f.name}")
+
+
+PRECISIONS = (None, "bf16", "fp8")
+
+
+def _precision(config: MoeConfig | None) -> str:
+    """The experts' precision a (checked) config asks for: "bf16" or "fp8"."""
+    return "fp8" if config is not None and config.precision == "fp8" else "bf16"
 
 
 def _plan(desc: Any, device: torch.device, config: MoeConfig) -> dict[str, Any]:
@@ -492,7 +508,8 @@ def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up:
     def check() -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape, dict[str, int] | None]:
         return _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks)
 
-    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w) or x.shape[0] == 0:
+    precision = _precision(config) if isinstance(config, MoeConfig) else "bf16"
+    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w, precision == "fp8") or x.shape[0] == 0:
         # The peers are past this workspace's agreement and go straight into the fused call: this
         # rank raises alone, and they raise at its start barrier, naming this rank. A report to
         # them would wait in a collective they never enter. (With no tokens nobody makes a
@@ -502,7 +519,8 @@ def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up:
         s_gate, s_up, s_down, _, plan = _checked(group_name, "cuda_workspace", check)
 
     return _cuda_layer.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
-                           None if swiglu_limit is None else float(swiglu_limit), group_name, save_context, plan)
+                           None if swiglu_limit is None else float(swiglu_limit), group_name, save_context, plan,
+                           precision)
 
 
 def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -530,7 +548,13 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
     if config is None:
         return None
     _check_config(config)
-    if all(getattr(config, f.name) is None for f in fields(MoeConfig)):
+    if _precision(config) == "fp8":
+        bad = {name: n for name, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
+                                       ("shared intermediate", shape.shared_intermediate)) if n % 128 != 0}
+        if bad:
+            raise ValueError(f"mok.moe: precision='fp8' needs whole 128-column scale blocks: "
+                             + ", ".join(f"{name} {n}" for name, n in bad.items()) + " is not a multiple of 128")
+    if all(getattr(config, f.name) is None for f in fields(MoeConfig) if f.name != "precision"):
         return None  # the planner's defaults: the same workspace as no config
     # T = 0 runs nothing, but its config is checked as for one token.
     desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,
@@ -553,6 +577,10 @@ def _moe_ops(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: 
     stages' results do not depend on config; it is checked all the same."""
     s_gate, s_up, s_down, shape, _ = _checked(group_name, "build_schedule", lambda: _check_moe(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks))
+    if _precision(config) == "fp8" and not _is_fake(x):
+        raise NotImplementedError("mok.moe: precision='fp8' runs on the GPU only (the fp8 megakernel); these "
+                                  "tensors are on the CPU. The CPU reference of the fp8 layer is `mok run "
+                                  "--precision fp8` (C++)")
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)

@@ -87,3 +87,74 @@ def test_fp8_forward_refuses_bad_arguments_by_name() -> None:
         _cuda_kernels.experts_forward_fp8(xq, off, *w, h=h, y=h.clone(), h_codes=hq)
     with pytest.raises(ValueError, match="offsets must be int32"):
         _cuda_kernels.experts_forward_fp8(xq, off.long(), *w, h=h, y=h.clone(), h_codes=hq)
+
+
+def _fp8_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, c] bf16 as its 1 x 128 block-scaled e4m3 values (fp32)."""
+    return testing.dequantize_e4m3_rows(*_cuda_kernels.quantize_rows(t.contiguous()))
+
+
+def _fp8_layer(p: testing.MoeProblem) -> torch.Tensor:
+    """The fp8 layer in torch on the dequantized operands: x rows and h quantized 1 x 128, the
+    weights 128 x 128; g, u and each expert's output rounded where the kernels round (h and the
+    rows to bf16), the combine in fp32 over j in order, the shared expert the same way."""
+    def weights(w: torch.Tensor) -> torch.Tensor:
+        return testing.dequantize_e4m3_blocks(*_cuda_kernels.quantize_weights(w if w.dim() == 3 else w.unsqueeze(0)))
+
+    def expert(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        xq = _fp8_rows(x)
+        h = testing.swiglu(xq @ wg.t(), xq @ wu.t(), p.swiglu_limit).to(torch.bfloat16)
+        return (_fp8_rows(h) @ wd.t()).to(torch.bfloat16).float()
+
+    wg, wu, wd = weights(p.w_gate), weights(p.w_up), weights(p.w_down)
+    T, K = p.topk_idx.shape
+    slots = torch.zeros(T, K, p.x.shape[1], device=p.x.device)
+    for e in range(wg.shape[0]):
+        t, j = (p.topk_idx == e).nonzero(as_tuple=True)
+        if t.numel():
+            slots[t, j] = expert(p.x[t], wg[e], wu[e], wd[e])
+    y = (slots * p.topk_w.float().unsqueeze(-1)).sum(dim=1)
+    if p.shared is not None:
+        sg, su, sd = (weights(w)[0] for w in p.shared)
+        y = y + expert(p.x, sg, su, sd)
+    return y
+
+
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_fp8_layer_matches_torch_on_the_dequantized_operands(limit: float | None) -> None:
+    """mok.moe(config=MoeConfig(precision="fp8")) without autograd (the fp8 megakernel, one rank)
+    against the fp8 layer in torch; reruns bit for bit; the bf16 layer differs by e4m3's error."""
+    import mok
+
+    p = testing.random_problem(300, 8, 512, 256, 2, shared_intermediate=256, swiglu_limit=limit, seed=11,
+                               device="cuda")
+    cfg = mok.MoeConfig(precision="fp8")
+    args = (p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared)
+    with torch.no_grad():
+        y = mok.moe(*args, swiglu_limit=limit, config=cfg)
+        again = mok.moe(*args, swiglu_limit=limit, config=cfg)
+        bf16 = mok.moe(*args, swiglu_limit=limit)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert torch.equal(y, again)
+    err = testing.relative_error(y.float(), _fp8_layer(p))
+    print(f"fp8 layer: rel error {err:.2e} against torch on the dequantized operands, "
+          f"{testing.relative_error(y.float(), bf16.float()):.2e} against the bf16 layer")
+    assert err < 1e-2
+    assert 0.01 < testing.relative_error(y.float(), bf16.float()) < 0.15  # e4m3's 3 mantissa bits
+
+
+def test_fp8_layer_requantizes_a_changed_weight_and_refuses_autograd() -> None:
+    """The fp8 weights are cached per weight version: doubling w_down in place (exact in e4m3 with
+    power-of-two scales) doubles y exactly. A call that needs gradients is refused by name."""
+    import mok
+
+    p = testing.random_problem(200, 4, 256, 128, 2, seed=12, device="cuda")
+    cfg = mok.MoeConfig(precision="fp8")
+    with torch.no_grad():
+        y = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
+        p.w_down.mul_(2)
+        doubled = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
+    assert torch.equal(doubled, y * 2)
+    x = p.x.clone().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="precision='fp8' runs the forward only"):
+        mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)

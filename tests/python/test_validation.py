@@ -193,6 +193,23 @@ def test_moe_config_is_checked_and_changes_no_bit() -> None:
         m(torch.randn(T, H), a["topk_idx"], a["topk_w"])
 
 
+def test_fp8_precision_is_checked_and_runs_on_the_gpu_only() -> None:
+    """MoeConfig(precision=...): an unknown precision, and fp8 with partial 128-column scale blocks,
+    are refused by name; fp8 on CPU tensors says it runs on the GPU only (no silent bf16 result)."""
+    a = problem()
+    args = (a["x"], a["topk_idx"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], a["shared"])
+    with pytest.raises(ValueError, match=r"MoeConfig.precision must be one of \(None, 'bf16', 'fp8'\), got 'fp16'"):
+        mok.moe(*args, config=mok.MoeConfig(precision="fp16"))
+    with pytest.raises(ValueError, match="precision='fp8' needs whole 128-column scale blocks: hidden 16, "
+                                         "intermediate 8, shared intermediate 8 is not a multiple of 128"):
+        mok.moe(*args, config=mok.MoeConfig(precision="fp8"))
+    assert torch.equal(mok.moe(*args), mok.moe(*args, config=mok.MoeConfig(precision="bf16")))
+    p = testing.random_problem(4, 4, 128, 128, 2, shared_intermediate=128, seed=3)
+    with pytest.raises(NotImplementedError, match="precision='fp8' runs on the GPU only"):
+        mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared,
+                config=mok.MoeConfig(precision="fp8"))
+
+
 def test_a_non_finite_gradient_is_named() -> None:
     """NaN in dy (the backward's input) is named like NaN in the forward's inputs."""
     a = problem()
