@@ -339,22 +339,23 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
 
 
 # The fp8 forward's weights, quantized once per weight tensor and version (a step that changes a
-# weight in place bumps its version): (data_ptr, shape, dtype, version) -> (codes, scales). Weak on
-# the weight, so a dropped weight drops its codes.
-_FP8_WEIGHTS: "weakref.WeakKeyDictionary[Tensor, tuple[tuple[object, ...], tuple[Tensor, Tensor]]]" = \
-    weakref.WeakKeyDictionary()
+# weight in place bumps its version): id(weight) -> (a weak reference to it, its (data_ptr, shape,
+# dtype, version), (codes, scales)). The entry goes when the weight does. (Keyed by id: a
+# WeakKeyDictionary compares tensors with ==, which is elementwise.)
+_FP8_WEIGHTS: dict[int, tuple[weakref.ref, tuple[object, ...], tuple[Tensor, Tensor]]] = {}
 
 
 def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as block-scaled e4m3
     (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached."""
     stamp = (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
-    cached = _FP8_WEIGHTS.get(w)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
+    cached = _FP8_WEIGHTS.get(id(w))
+    if cached is not None and cached[0]() is w and cached[1] == stamp:
+        return cached[2]
     planes = w if w.dim() == 3 else w.unsqueeze(0)
     q = kernels.quantize_weights(_bf16(planes).contiguous())
-    _FP8_WEIGHTS[w] = (stamp, q)
+    key = id(w)
+    _FP8_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _FP8_WEIGHTS.pop(key, None)), stamp, q)
     return q
 
 
