@@ -91,6 +91,18 @@ def _baselines(ranks: int) -> list[Case]:
     return cases
 
 
+def _fp8(ranks: int) -> list[Case]:
+    # The forward in fp8 (inference: MoK's block-scaled megakernel; torch's row-wise fp8 baseline),
+    # on the presets whose hidden and intermediate sizes are whole 128-column blocks.
+    presets = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b")
+    return [
+        Case("layer", p, ranks, r, tokens_per_rank=t, precision="fp8", passes=("forward",))
+        for t in (2048, 8192)
+        for p in presets
+        for r in ("balanced", "zipf")
+    ]
+
+
 def _experts_1gpu() -> list[Case]:
     # Local expert count of an EP8 deployment (E/8), rows per expert from decode-ish to training sizes.
     presets = ("kimi-k2", "qwen3.5-397b", "deepseek-v4-pro", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -126,6 +138,8 @@ TABLES: dict[str, list[Case]] = {
     "baselines_4gpu": _baselines(4),
     "baselines_8gpu": _baselines(8),
     "experts_1gpu": _experts_1gpu(),
+    "fp8_1gpu": _fp8(1),
+    "fp8_2gpu": _fp8(2),
 }
 TABLES["all_1gpu"] = TABLES["baselines_1gpu"] + TABLES["experts_1gpu"]
 

@@ -60,6 +60,7 @@ import torch
 
 from mok import testing
 
+from .impls._common import rowwise_e4m3
 from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -72,12 +73,6 @@ def step_flops(step: str, rows: int, hidden: int, intermediate: int) -> float:
     mhi = float(rows) * hidden * intermediate
     return {"gate_up": 4 * mhi, "down": 2 * mhi, "dgrad": 6 * mhi, "dgrad_act": 6 * mhi, "dh_act": 2 * mhi,
             "dx": 4 * mhi, "wgrad": 6 * mhi, "fwd_fp8": 6 * mhi, "fwd_fp8_vs_bf16": 6 * mhi}[step]
-
-
-def rowwise_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's row-wise fp8: one fp32 scale per row (amax / 448) over the last dimension."""
-    scale = t.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
-    return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 def balanced_counts(local_experts: int, rows_per_expert: int) -> list[int]:

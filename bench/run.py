@@ -63,6 +63,14 @@ log = logging.getLogger("bench")
 
 SCHEMA_VERSION = 1
 TOLERANCE = 2e-2  # relative L2 error of bf16 impls against the fp32 reference, per output and gradient
+# fp8 cases (block-scaled or row-wise e4m3: 3 mantissa bits on x, the weights and h) against the same
+# fp32 reference: about 7% on y (mok run --precision fp8 checks the same bound).
+FP8_TOLERANCE = 0.12
+
+
+def tolerance(case: Case) -> float:
+    """The check's bound for a case's outputs against the fp32 reference."""
+    return FP8_TOLERANCE if case.precision == "fp8" else TOLERANCE
 MEMORY_FRACTION = 0.9  # a case or impl runs only if its estimate fits in this fraction of free memory
 
 OK, SKIPPED, ERROR = 0, 1, 2
@@ -386,7 +394,7 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
                 names = sorted(errors)
                 worst = rt.all_max([e if math.isfinite(e) else math.inf for e in (errors[n] for n in names)])
                 errors = dict(zip(names, worst))
-                correct = all(math.isfinite(e) and e <= TOLERANCE for e in errors.values())
+                correct = all(math.isfinite(e) and e <= tolerance(case) for e in errors.values())
 
         for pass_name in case.passes:
             row = _base_row(case, spec, pass_name)
@@ -407,7 +415,7 @@ def run_case(case: Case, rt: Runtime, ctx: BenchContext, ceilings: dict[str, Any
                 continue
             row["correct"] = correct
             row["check_errors"] = {k: _finite_or_none(v) for k, v in errors.items()}
-            row["tolerance"] = TOLERANCE
+            row["tolerance"] = tolerance(case)
             assert runner is not None
             pass_start = time.perf_counter()
             timed = agreed_step(

@@ -30,6 +30,32 @@ def grouped_swiglu_mlp(
     return torch._grouped_mm(swiglu(gate, up, swiglu_limit), w_down.transpose(-2, -1), offs=offs)
 
 
+def rowwise_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's row-wise fp8: one fp32 scale per row (amax / 448) over the last dimension."""
+    scale = t.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def grouped_swiglu_mlp_fp8(
+    x_sorted: torch.Tensor,
+    offs: torch.Tensor,
+    w_gate_up: tuple[torch.Tensor, torch.Tensor],
+    w_down: tuple[torch.Tensor, torch.Tensor],
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """Routed experts in torch's row-wise fp8 (forward only): x rows and h quantized per row,
+    ``torch._scaled_grouped_mm`` for gate|up and down. ``w_gate_up``: :func:`rowwise_e4m3` of
+    [W_gate; W_up] stacked per expert ([El, 2I, H]); ``w_down``: of W_down. As :func:`grouped_swiglu_mlp`
+    otherwise."""
+    I = w_gate_up[0].shape[1] // 2
+    x8, x8s = rowwise_e4m3(x_sorted)
+    a = torch._scaled_grouped_mm(x8, w_gate_up[0].transpose(-2, -1), x8s, w_gate_up[1], offs=offs,
+                                 out_dtype=torch.bfloat16)
+    h8, h8s = rowwise_e4m3(swiglu(a[:, :I], a[:, I:], swiglu_limit))
+    return torch._scaled_grouped_mm(h8, w_down[0].transpose(-2, -1), h8s, w_down[1], offs=offs,
+                                    out_dtype=torch.bfloat16)
+
+
 def shared_expert(x: torch.Tensor, shared: tuple[torch.Tensor, ...] | None, swiglu_limit: float | None) -> torch.Tensor | None:
     """The replicated shared expert on this rank's tokens, in bf16 (plain torch)."""
     if shared is None:

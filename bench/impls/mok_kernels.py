@@ -109,6 +109,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     torch as mok.moe runs it (before the call in each pass, dx_shared summed by the call)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
+    if problem.case.precision == "fp8":
+        return _build_layer_fp8(problem, ctx)
     if problem.case.precision != "bf16":
         raise Skip(f"precision {problem.case.precision} not implemented yet")
     kernels = _cuda_kernels()
@@ -289,6 +291,48 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     return Runner(forward=forward, output=output, backward=backward)
 
 
+def _build_layer_fp8(problem: Any, ctx: BenchContext) -> Runner:
+    """The `mok` row at precision fp8: the block-scaled fp8 megakernel's forward (inference: no
+    backward), as mok.moe(config=MoeConfig(precision="fp8")) runs it: the weights quantized once
+    (outside the timed passes), the call quantizing x itself, the shared expert on
+    experts_forward_fp8 before the call."""
+    kernels = _cuda_kernels()
+    from mok import _cuda_layer
+
+    p = problem
+    T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
+    buffer, bases = _symmetric(p, ctx, kernels)
+    layout = kernels.symmetric_layout(T, H, k, R)
+    _fresh_signals(buffer, layout, ctx)
+    x_in = kernels.symmetric_view(buffer, layout, "x", torch.bfloat16, (T, H))
+    idx_in = kernels.symmetric_view(buffer, layout, "topk_idx", torch.int32, (T, k))
+    w_in = kernels.symmetric_view(buffer, layout, "topk_w", torch.float32, (T, k))
+    plan = _plan_overrides()
+    plan.pop("replay", None)
+    fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
+                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, fp8=True, **plan)
+    weights = [kernels.quantize_weights(w.detach().to(torch.bfloat16).contiguous())
+               for w in (p.w_gate, p.w_up, p.w_down)]
+    shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
+
+    def forward() -> torch.Tensor:
+        x = p.x.detach()
+        x_in.copy_(x)
+        idx_in.copy_(p.topk_idx)
+        w_in.copy_(p.topk_w.detach())
+        y_shared = None if shared_w is None else _cuda_layer._shared_expert_fp8(x, *shared_w, p.swiglu_limit)
+        fused.run_fp8(bases, *weights, y, y_shared=y_shared)
+        return y
+
+    def output(out: torch.Tensor) -> torch.Tensor:
+        fused.check()  # a timed-out wait or a bad expert id is an error, not a number
+        return out
+
+    return Runner(forward=forward, output=output, backward=None,
+                  no_backward_reason="fp8 cases time the forward (inference) only")
+
+
 @register_impl("mok_graph", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
                description="MoK as `mok`, each pass captured once in a CUDA graph and replayed (no host in the loop)")
 def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
@@ -298,6 +342,8 @@ def build_layer_graph(problem: Any, ctx: BenchContext) -> Runner:
     (every rank replays the same sequence, so the replays meet at the barriers as new calls). Not
     done for the baselines: baseline (a)'s all-to-all sizes go through the host, so it cannot be
     captured; the speedup tables compare the eager `mok` row."""
+    if problem.case.precision != "bf16":
+        raise Skip(f"precision {problem.case.precision}: the graph row is not wired (the eager `mok` row is)")
     eager = build_layer(problem, ctx)
     main = torch.cuda.current_stream()
     side = torch.cuda.Stream(problem.x.device)

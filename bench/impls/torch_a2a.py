@@ -24,8 +24,10 @@ import torch.distributed as dist
 from . import BenchContext, Runner, Skip, autograd_runner, register_impl
 from ._common import (
     grouped_swiglu_mlp,
+    grouped_swiglu_mlp_fp8,
     inverse_permutation,
     layer_activation_bytes,
+    rowwise_e4m3,
     shared_expert,
     weighted_slot_sum,
 )
@@ -57,12 +59,33 @@ def _memory_bytes(problem: Any, ctx: BenchContext) -> int:
 @register_impl("torch_a2a", "layer", memory_bytes=_memory_bytes,
                description="NCCL all_to_all_single + permute + torch._grouped_mm SwiGLU + all_to_all_single")
 def build(problem: Any, ctx: BenchContext) -> Runner:
-    if problem.case.precision != "bf16":
+    if problem.case.precision not in ("bf16", "fp8"):
         raise Skip(f"precision {problem.case.precision} not implemented in the torch baseline")
     p = problem
     R, El, k = p.ranks, p.local_experts, p.preset.topk
     group = ctx.runtime.group
     device = p.x.device
+    fp8 = p.case.precision == "fp8"
+    if fp8:  # row-wise e4m3 weights, quantized once (outside the timed passes); the forward only
+        with torch.no_grad():
+            w_gate_up = rowwise_e4m3(torch.cat([p.w_gate, p.w_up], dim=1))
+            w_down8 = rowwise_e4m3(p.w_down)
+            shared8 = None
+            if p.shared is not None:
+                s_gate, s_up, s_down = p.shared
+                shared8 = (rowwise_e4m3(torch.cat([s_gate, s_up]).unsqueeze(0)), rowwise_e4m3(s_down.unsqueeze(0)))
+
+    def experts(x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if fp8:
+            return grouped_swiglu_mlp_fp8(x_sorted, offs, w_gate_up, w_down8, p.swiglu_limit)
+        return grouped_swiglu_mlp(x_sorted, offs, p.w_gate, p.w_up, p.w_down, p.swiglu_limit)
+
+    def shared_out() -> torch.Tensor | None:
+        if not fp8 or shared8 is None:
+            return shared_expert(p.x, p.shared, p.swiglu_limit)
+        T = p.x.shape[0]
+        offs = torch.tensor([T], dtype=torch.int32, device=device)
+        return grouped_swiglu_mlp_fp8(p.x, offs, shared8[0], shared8[1], p.swiglu_limit)
 
     def forward() -> torch.Tensor:
         with torch.no_grad():
@@ -91,10 +114,17 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
         if num_recv == 0:
             # No rows for our experts: one padding row past every group keeps the GEMMs non-empty.
             x_sorted = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])
-        y_sorted = grouped_swiglu_mlp(x_sorted, offs, p.w_gate, p.w_up, p.w_down, p.swiglu_limit)[:num_recv]
+        y_sorted = experts(x_sorted, offs)[:num_recv]
         y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
         y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
         y_slots = y_back.index_select(0, inverse_permutation(slot_order))
-        return weighted_slot_sum(y_slots, p.topk_w, shared_expert(p.x, p.shared, p.swiglu_limit))
+        return weighted_slot_sum(y_slots, p.topk_w, shared_out())
 
+    if fp8:
+        def forward_fp8() -> torch.Tensor:
+            with torch.no_grad():
+                return forward()
+
+        return Runner(forward=forward_fp8, output=lambda y: y, backward=None,
+                      no_backward_reason="fp8 cases time the forward (inference) only")
     return autograd_runner(p, forward)
