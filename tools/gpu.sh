@@ -4,7 +4,8 @@
 # a machine with H200s, carrying .devdeps (tools/device_deps.sh: CUTLASS headers, GoogleTest, pybind11, pytest):
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_SANITIZE_FILTER (the GPU tests run under compute-sanitizer), MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
-# MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_1GPU / _2GPU (e.g. "baselines_2gpu:tokens=8192", "fp8_1gpu"), MOK_DEADLINE_S.
+# MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_1GPU / _2GPU (e.g. "baselines_2gpu:tokens=8192", "fp8_1gpu"),
+# MOK_BENCH_IMPLS (bench_1gpu: e.g. "mok,torch_a2a"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed,fp8}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
@@ -207,7 +208,7 @@ if has bench_gemms; then  # each expert GEMM against torch._grouped_mm (MOK_GEMM
 fi
 
 if has bench_1gpu; then
-  timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases "${MOK_BENCH_CASES_1GPU:-baselines_1gpu}" \
+  timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases "${MOK_BENCH_CASES_1GPU:-baselines_1gpu}" ${MOK_BENCH_IMPLS:+--impls "$MOK_BENCH_IMPLS"} \
     --out "$LOGS/baselines_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/baselines_1gpu_h200.json" >> "$LOGS/baselines_1gpu_h200.log" 2>&1 || true
