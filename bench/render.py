@@ -51,6 +51,12 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "–"
 
 
+def _routing(r: dict[str, Any]) -> str:
+    """The routing cell, with the precision when it is not bf16 (e.g. "zipf fp8")."""
+    precision = r.get("precision", "bf16")
+    return f"{r.get('routing')}" + ("" if precision == "bf16" else f" {precision}")
+
+
 def _size(row: dict[str, Any]) -> str:
     if row.get("kind") == "experts":
         return f"{row.get('local_experts')}×{row.get('rows_per_expert')}"
@@ -79,7 +85,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"HBM {_fmt(c.get('hbm_gbps'), '.0f')} GB/s, NVLink read {_fmt(c.get('nvlink_read_gbps'), '.0f')} / "
         f"write {_fmt(c.get('nvlink_write_gbps'), '.0f')} GB/s per direction",
         f"- timing: median over iterations of the slowest rank; {doc.get('timing')}",
-        f"- correctness: relative L2 error vs the fp32 reference ≤ {doc.get('tolerance')} for y and every gradient",
+        f"- correctness: relative L2 error vs the fp32 reference ≤ {doc.get('tolerance')} for y and every gradient "
+        "(fp8 rows, marked in the routing column: each row's own bound, 0.12)",
         f"- summary: {doc.get('summary')}; elapsed {_fmt(doc.get('elapsed_s'), '.0f')} s",
         "",
         "`×floor` = time / max(FLOPs / bf16 rate, HBM bytes / HBM rate, NVLink bytes / NVLink rate) "
@@ -104,7 +111,7 @@ def markdown(doc: dict[str, Any]) -> str:
             if r.get("status") != "ok":
                 reason = (r.get("error") or r.get("skip_reason") or "").replace("\n", " ")
                 not_run[(r.get("impl", ""), r.get("status", ""), reason)].append(
-                    f"{r.get('preset')} R={r.get('ranks')} {_size(r)} {r.get('routing')}"
+                    f"{r.get('preset')} R={r.get('ranks')} {_size(r)} {_routing(r)}"
                 )
                 continue
             floor = f"{_fmt(r.get('floor_ms'), '.3f')} ({r.get('floor_bound') or '–'})"
@@ -114,7 +121,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 _fmt(r.get("nvlink_gbps"), ".4g"), floor, _fmt(r.get("time_over_floor"), ".2f"),
                 _fmt(vs_best(r, best), ".2f"), correct, _min_ms(r),
             ]
-            head = f"| {r.get('preset')} | {r.get('ranks')} | {_size(r)} | {r.get('routing')} | {r.get('impl')} | "
+            head = f"| {r.get('preset')} | {r.get('ranks')} | {_size(r)} | {_routing(r)} | {r.get('impl')} | "
             lines.append(head + " | ".join(cells) + " |")
         if not_run:
             lines += ["", "Not run:"]

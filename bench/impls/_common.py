@@ -36,6 +36,20 @@ def rowwise_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
+def rowwise_e4m3_planes(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rowwise_e4m3` of each plane of ``parts`` ([planes, rows_i, cols] each) stacked along the
+    rows ([planes, sum rows_i, cols] codes, [planes, sum rows_i] scales), one plane at a time: the
+    fp32 temporaries of all the experts' weights at once did not fit (Kimi K2's 384 experts on one
+    GPU asked for 42 GiB)."""
+    planes, cols = parts[0].shape[0], parts[0].shape[-1]
+    rows = sum(p.shape[1] for p in parts)
+    codes = torch.empty(planes, rows, cols, dtype=torch.float8_e4m3fn, device=parts[0].device)
+    scales = torch.empty(planes, rows, dtype=torch.float32, device=parts[0].device)
+    for e in range(planes):
+        codes[e], scales[e] = rowwise_e4m3(torch.cat([p[e] for p in parts]))
+    return codes, scales
+
+
 def grouped_swiglu_mlp_fp8(
     x_sorted: torch.Tensor,
     offs: torch.Tensor,
@@ -44,8 +58,8 @@ def grouped_swiglu_mlp_fp8(
     swiglu_limit: float | None,
 ) -> torch.Tensor:
     """Routed experts in torch's row-wise fp8 (forward only): x rows and h quantized per row,
-    ``torch._scaled_grouped_mm`` for gate|up and down. ``w_gate_up``: :func:`rowwise_e4m3` of
-    [W_gate; W_up] stacked per expert ([El, 2I, H]); ``w_down``: of W_down. As :func:`grouped_swiglu_mlp`
+    ``torch._scaled_grouped_mm`` for gate|up and down. ``w_gate_up``: :func:`rowwise_e4m3_planes` of
+    W_gate and W_up (stacked per expert: [El, 2I, H]); ``w_down``: of W_down. As :func:`grouped_swiglu_mlp`
     otherwise."""
     I = w_gate_up[0].shape[1] // 2
     x8, x8s = rowwise_e4m3(x_sorted)

@@ -27,7 +27,7 @@ from ._common import (
     grouped_swiglu_mlp_fp8,
     inverse_permutation,
     layer_activation_bytes,
-    rowwise_e4m3,
+    rowwise_e4m3_planes,
     shared_expert,
     weighted_slot_sum,
 )
@@ -68,12 +68,12 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
     fp8 = p.case.precision == "fp8"
     if fp8:  # row-wise e4m3 weights, quantized once (outside the timed passes); the forward only
         with torch.no_grad():
-            w_gate_up = rowwise_e4m3(torch.cat([p.w_gate, p.w_up], dim=1))
-            w_down8 = rowwise_e4m3(p.w_down)
+            w_gate_up = rowwise_e4m3_planes(p.w_gate, p.w_up)
+            w_down8 = rowwise_e4m3_planes(p.w_down)
             shared8 = None
             if p.shared is not None:
-                s_gate, s_up, s_down = p.shared
-                shared8 = (rowwise_e4m3(torch.cat([s_gate, s_up]).unsqueeze(0)), rowwise_e4m3(s_down.unsqueeze(0)))
+                s_gate, s_up, s_down = (w.unsqueeze(0) for w in p.shared)
+                shared8 = (rowwise_e4m3_planes(s_gate, s_up), rowwise_e4m3_planes(s_down))
 
     def experts(x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if fp8:
