@@ -13,7 +13,7 @@ Kinds:
 Select with ``--cases TABLE[:FILTER]``, FILTER being ``field=value[|value...]`` pairs joined by
 commas, e.g. ``baselines_2gpu:preset=kimi-k2|mixtral-8x7b,tokens=2048`` (``\\|`` works as ``|``; a value no
 case has is an error). Filter fields: kind,
-preset, ranks, tokens, rows, experts, routing.
+preset, ranks, tokens, rows, experts, routing, precision.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .presets import MODEL_PRESETS, PRESETS
 
 PASSES: tuple[str, ...] = ("forward", "backward", "both")
 KINDS: tuple[str, ...] = ("layer", "experts")
-PRECISIONS: tuple[str, ...] = ("bf16",)  # fp8 (1x128 / 128x128 block scales) comes with the kernels
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8")  # fp8: MoK's 1x128 / 128x128 block scales, torch's row-wise
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Case:
             raise ValueError(f"unknown preset {self.preset!r}")
         if any(p not in PASSES for p in self.passes):
             raise ValueError(f"passes must be among {PASSES}, got {self.passes}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.kind == "layer":
             if self.tokens_per_rank is None or self.tokens_per_rank < 0:
                 raise ValueError("a layer case needs tokens_per_rank >= 0")
@@ -153,6 +155,7 @@ _FILTER_FIELDS = {
     "rows": "rows_per_expert",
     "experts": "local_experts",
     "routing": "routing",
+    "precision": "precision",
 }
 
 

@@ -186,6 +186,33 @@ def test_case_tables_are_well_formed() -> None:
         assert p.name == name and p.E > 0 and p.topk <= p.E
 
 
+def test_fp8_tables_pair_each_shape_with_bf16_and_check_at_the_fp8_bound() -> None:
+    """fp8_1gpu / fp8_2gpu: forward-only layer cases, each shape at fp8 and bf16, on presets whose
+    hidden and intermediate sizes are whole 128-column blocks; fp8 rows are checked at 0.12, bf16
+    rows at 0.02; a precision filter selects one of the two; an unknown precision is refused."""
+    sys.path.insert(0, str(REPO))
+    from bench.cases import TABLES, Case, select_cases
+    from bench.presets import PRESETS
+    from bench.render import _routing
+    from bench.run import tolerance
+
+    for ranks in (1, 2):
+        table = TABLES[f"fp8_{ranks}gpu"]
+        assert table and all(c.ranks == ranks and c.passes == ("forward",) and c.kind == "layer" for c in table)
+        fp8 = {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "fp8"}
+        assert fp8 == {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "bf16"}
+        for c in table:
+            p = PRESETS[c.preset]
+            assert p.H % 128 == 0 and p.I % 128 == 0 and p.shared_I % 128 == 0
+    picked = select_cases("fp8_1gpu:precision=fp8,tokens=8192")
+    assert picked and all(c.precision == "fp8" and c.tokens_per_rank == 8192 for c in picked)
+    assert tolerance(picked[0]) == 0.12 and tolerance(TABLES["baselines_1gpu"][0]) == 0.02
+    assert _routing({"routing": "zipf", "precision": "fp8"}) == "zipf fp8"
+    assert _routing({"routing": "zipf", "precision": "bf16"}) == "zipf"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Case("layer", "tiny", 1, "balanced", tokens_per_rank=4, precision="fp16")
+
+
 def test_profile_writes_one_kernel_table_per_timed_pass(tmp_path: Path) -> None:
     env = _env(tmp_path)
     out = tmp_path / "profiled.json"
