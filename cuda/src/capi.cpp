@@ -122,6 +122,39 @@ void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// A call on a handle through the C API: 0 when `body` ran, 1 for bad arguments
+// (std::invalid_argument), 2 for a failed earlier call or a CUDA error; the message in `error`.
+template <class Body>
+int handle_call(char* error, int error_len, Body&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::invalid_argument& e) {
+    write_error(e, error, error_len);
+    return 1;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 2;
+  }
+}
+
+// The handle's forward arguments with what every forward call sets: the rank bases (through
+// `table`, which must outlive the call), the weights, y_shared with its event, and y.
+mok::cuda::MoeForwardArgs forward_call(ForwardHandle& h, const int64_t* bases, void* (&table)[mok::cuda::kMaxRanks],
+                                       const void* w_gate, const void* w_up, const void* w_down, const void* y_shared,
+                                       void* y_shared_ready, void* y) {
+  bind_bases(h, bases, table);
+  mok::cuda::MoeForwardArgs a = h.args;
+  a.bases = table;
+  a.w_gate = w_gate;
+  a.w_up = w_up;
+  a.w_down = w_down;
+  a.y_shared = y_shared;
+  a.y_shared_ready = static_cast<cudaEvent_t>(y_shared_ready);
+  a.y = y;
+  return a;
+}
+
 }  // namespace
 
 extern "C" {
@@ -439,20 +472,12 @@ Kept context_kind(const ForwardHandle& h, const Context& c) {
 int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                          const void* y_shared, void* y_shared_ready, void* y, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
                          void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
-  try {
+  return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (h->fp8) throw std::invalid_argument("this forward was made with fp8: call mok_cuda_forward_run_fp8");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
-    bind_bases(*h, bases, table);
-    mok::cuda::MoeForwardArgs a = h->args;
-    a.bases = table;
-    a.w_gate = w_gate;
-    a.w_up = w_up;
-    a.w_down = w_down;
-    a.y_shared = y_shared;
-    a.y_shared_ready = static_cast<cudaEvent_t>(y_shared_ready);
-    a.y = y;
+    mok::cuda::MoeForwardArgs a = forward_call(*h, bases, table, w_gate, w_up, w_down, y_shared, y_shared_ready, y);
     const Kept kept = context_kind(*h, c);
     if (kept == Kept::rows) {  // every row keeps its own ring row: the ring is the saved context
       a.ring_x = c.x_rows;
@@ -466,14 +491,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
       a.src_slot = static_cast<int32_t*>(c.src_slot);
     }
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
-    return 0;
-  } catch (const std::invalid_argument& e) {  // bad arguments: 1
-    write_error(e, error, error_len);
-    return 1;
-  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
-    write_error(e, error, error_len);
-    return 2;
-  }
+  });
 }
 
 // One call of the block-scaled fp8 forward (a handle made with fp8; megakernel.h:
@@ -483,31 +501,16 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
                              const void* w_up, const void* w_up_scales, const void* w_down, const void* w_down_scales,
                              const void* y_shared, void* y_shared_ready, void* y, void* stream, char* error,
                              int error_len) {
-  try {
+  return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->fp8) throw std::invalid_argument("this forward was made without fp8: call mok_cuda_forward_run");
     void* table[mok::cuda::kMaxRanks];
-    bind_bases(*h, bases, table);
-    mok::cuda::MoeForwardArgs a = h->args;
-    a.bases = table;
-    a.w_gate = w_gate;
-    a.w_up = w_up;
-    a.w_down = w_down;
+    mok::cuda::MoeForwardArgs a = forward_call(*h, bases, table, w_gate, w_up, w_down, y_shared, y_shared_ready, y);
     a.w_gate_scales = static_cast<const float*>(w_gate_scales);
     a.w_up_scales = static_cast<const float*>(w_up_scales);
     a.w_down_scales = static_cast<const float*>(w_down_scales);
-    a.y_shared = y_shared;
-    a.y_shared_ready = static_cast<cudaEvent_t>(y_shared_ready);
-    a.y = y;
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
-    return 0;
-  } catch (const std::invalid_argument& e) {  // bad arguments: 1
-    write_error(e, error, error_len);
-    return 1;
-  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
-    write_error(e, error, error_len);
-    return 2;
-  }
+  });
 }
 
 // The backward of the forward that kept `ctx_*` (a keep_rows handle): every rank has written its
@@ -521,7 +524,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
                           void* d_w_up, void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
                           void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error,
                           int error_len) {
-  try {
+  return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
@@ -551,14 +554,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
     b.replay = replay != 0;
     run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
-    return 0;
-  } catch (const std::invalid_argument& e) {  // bad arguments: 1
-    write_error(e, error, error_len);
-    return 1;
-  } catch (const std::exception& e) {  // a failed earlier call or a CUDA error: 2
-    write_error(e, error, error_len);
-    return 2;
-  }
+  });
 }
 
 int64_t mok_cuda_forward_row_capacity(void* handle) { return static_cast<ForwardHandle*>(handle)->args.row_capacity; }
