@@ -82,6 +82,23 @@ def _symmetric(problem: Any, ctx: BenchContext, kernels: ModuleType) -> tuple[to
     return held[0], held[1]
 
 
+def _symmetric_inputs(problem: Any, ctx: BenchContext, kernels: ModuleType
+                      ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's symmetric buffer (fresh signals) and every rank's base address, with the views
+    a call's inputs are written into: x, topk_idx, topk_w, dy."""
+    p = problem
+    T, H, k = p.x.shape[0], p.preset.H, p.preset.topk
+    buffer, bases = _symmetric(p, ctx, kernels)
+    layout = kernels.symmetric_layout(T, H, k, p.ranks)
+    _fresh_signals(buffer, layout, ctx)
+
+    def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return kernels.symmetric_view(buffer, layout, name, dtype, shape)
+
+    return bases, (view("x", torch.bfloat16, (T, H)), view("topk_idx", torch.int32, (T, k)),
+                   view("topk_w", torch.float32, (T, k)), view("dy", torch.bfloat16, (T, H)))
+
+
 def _grad_dtype() -> torch.dtype:
     """The weight gradients' type: bf16 by default, the baselines' (torch._grouped_mm's gradients of
     bf16 weights are bf16); ``MOK_BENCH_GRAD=fp32`` for fp32 (the figures before session 5)."""
@@ -116,17 +133,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     kernels = _cuda_kernels()
     p = problem
     T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
-    buffer, bases = _symmetric(p, ctx, kernels)
-    layout = kernels.symmetric_layout(T, H, k, R)
-    _fresh_signals(buffer, layout, ctx)
-
-    def view(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        return kernels.symmetric_view(buffer, layout, name, dtype, shape)
-
-    x_in = view("x", torch.bfloat16, (T, H))
-    idx_in = view("topk_idx", torch.int32, (T, k))
-    w_in = view("topk_w", torch.float32, (T, k))
-    dy_in = view("dy", torch.bfloat16, (T, H))
+    bases, (x_in, idx_in, w_in, dy_in) = _symmetric_inputs(p, ctx, kernels)
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
     plan = _plan_overrides()
     replay = bool(plan.pop("replay", 0))
@@ -301,12 +308,7 @@ def _build_layer_fp8(problem: Any, ctx: BenchContext) -> Runner:
 
     p = problem
     T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
-    buffer, bases = _symmetric(p, ctx, kernels)
-    layout = kernels.symmetric_layout(T, H, k, R)
-    _fresh_signals(buffer, layout, ctx)
-    x_in = kernels.symmetric_view(buffer, layout, "x", torch.bfloat16, (T, H))
-    idx_in = kernels.symmetric_view(buffer, layout, "topk_idx", torch.int32, (T, k))
-    w_in = kernels.symmetric_view(buffer, layout, "topk_w", torch.float32, (T, k))
+    bases, (x_in, idx_in, w_in, _) = _symmetric_inputs(p, ctx, kernels)
     plan = _plan_overrides()
     plan.pop("replay", None)
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
