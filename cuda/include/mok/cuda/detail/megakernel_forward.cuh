@@ -357,12 +357,6 @@ __device__ __forceinline__ const uint4* source_row(const Params& p, int r) {
   return p.x[p.src_rank[r]] + int64_t(p.src_slot[r] / p.topk) * p.row_vectors;
 }
 
-// One warp copies schedule row r into its ring row `dst` (one warp per row, kUnroll 16-byte loads
-// in flight per lane: peer reads are long; padding rows are zeros), and its router weight where
-// the pass pulls them. `from` is where its token lies when not at its rank: the ring row of the
-// token's first row on this rank, pulled in an earlier minibatch (else null). (pull_minibatches
-// keeps its own copy of this body: through this function the comm warps' loop spilled 8 bytes of
-// their 40 registers.)
 // The fp8 forward's row scales (Params::kPullsScales): schedule row r's ceil(H / 128) scales into
 // column `ring_row` of the ring's k-block-major scales [H / 128, ring_rows] (the layout the GEMM's
 // bulk copy reads), from its rank's x scales or from ring row `from_row` (>= 0) where its token was
@@ -380,6 +374,12 @@ __device__ __forceinline__ void pull_scales(const Params& p, int r, int ring_row
   }
 }
 
+// One warp copies schedule row r into its ring row `dst` (one warp per row, kUnroll 16-byte loads
+// in flight per lane: peer reads are long; padding rows are zeros), and its router weight where
+// the pass pulls them. `from` is where its token lies when not at its rank: the ring row of the
+// token's first row on this rank, pulled in an earlier minibatch (else null). (pull_minibatches
+// keeps its own copy of this body: through this function the comm warps' loop spilled 8 bytes of
+// their 40 registers.)
 template <int kUnroll, class Params>
 __device__ __forceinline__ void pull_row(const Params& p, int r, uint4* dst, int lane, const uint4* from) {
   const bool token = is_token_row(p, r);
