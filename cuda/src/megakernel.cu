@@ -533,7 +533,6 @@ void launch_forward_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaS
   p.k_second = ceil_div(I, detail::ForwardMainloop::kBlockK);
   launch_cooperative(detail::megakernel_kernel<detail::ForwardPass>, p, sms, kForwardSmem, stream,
                      "launch the megakernel (cooperative: all CTAs resident)");
-
 }
 
 // The fp8 forward megakernel (detail/megakernel_fp8.cuh) of moe_forward's step 3: the ring holds
