@@ -97,8 +97,11 @@ int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] i
 // What a rank was called with, as one word every rank compares at the start barrier: the shapes
 // and the pass (FNV-1a over them; 0 is kept for "do not compare"). The minibatch, ring and SM
 // counts are each rank's own business and not part of it.
+// The passes a call word names: every kind of call two ranks could be making at one epoch.
+enum CallPass : int { kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4 };
+
 unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t intermediate,
-                             const std::optional<float>& swiglu_limit, int pass) {
+                             const std::optional<float>& swiglu_limit, CallPass pass) {
   unsigned long long h = 1469598103934665603ull;
   auto mix = [&](uint64_t v) {
     for (int i = 0; i < 8; ++i) {
@@ -658,7 +661,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
-          call_word(shape, H, I, a.swiglu_limit, /*pass=*/a.fp8 ? 3 : 1));
+          call_word(shape, H, I, a.swiglu_limit, a.fp8 ? kFp8ForwardCall : kForwardCall));
 
   // 2. This rank's schedule from every rank's topk_idx, and its token links (each token pulled once).
   build_schedule(sa, stream);
@@ -882,7 +885,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
-          call_word(shape, H, I, a.swiglu_limit, /*pass=*/a.replay ? 3 : 2));
+          call_word(shape, H, I, a.swiglu_limit, a.replay ? kReplayBackwardCall : kBackwardCall));
   if (a.replay) {
     // 1b. Replay: every rank's x rows by the schedule, then h and g|u from them.
     gather_rows(gx, stream);
