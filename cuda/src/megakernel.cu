@@ -98,7 +98,9 @@ int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] i
 // and the pass (FNV-1a over them; 0 is kept for "do not compare"). The minibatch, ring and SM
 // counts are each rank's own business and not part of it.
 // The passes a call word names: every kind of call two ranks could be making at one epoch.
-enum CallPass : int { kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4 };
+enum CallPass : int {
+  kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4, kFp8BackwardCall = 5
+};
 
 unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t intermediate,
                              const std::optional<float>& swiglu_limit, CallPass pass) {
@@ -285,8 +287,6 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
       fp8_(fp8) {
   if (hidden <= 0 || intermediate <= 0 || minibatch_rows <= 0 || ring_rows <= 0)
     throw std::invalid_argument("mok FusedBuffers: hidden, intermediate, minibatch_rows and ring_rows must be > 0");
-  if (fp8 && keep_rows)
-    throw std::invalid_argument("mok FusedBuffers: the fp8 forward's backward is not built (fp8 without keep_rows)");
   if (fp8 && (hidden % 128 != 0 || intermediate % 128 != 0))
     throw std::invalid_argument("mok FusedBuffers: fp8 needs hidden and intermediate multiples of 128, got " +
                                 std::to_string(hidden) + " and " + std::to_string(intermediate));
@@ -324,6 +324,7 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
     o_.ring_h_codes = take(ring_rows * I);
     o_.ring_h_scales = take(I / 128 * ring_rows * 4);
     o_.pair_counters = take(ceil_div(cap, int64_t{GemmConfig::kBlockM}) * (I / 128) * 4);
+    if (keep_rows) o_.x_rows = take(cap * H * 2);  // the backward's bf16 x rows (the ring holds codes)
   }
   bytes_ = std::max<int64_t>(end, 256);
   check(cudaGetDevice(&device_), "cudaGetDevice");
@@ -383,9 +384,10 @@ void FusedBuffers::wire(MoeBackwardArgs& b) const {
   b.minibatch_rows = minibatch_rows_;
   b.counters = static_cast<uint32_t*>(at(o_.counters));
   if (ring_rows_ >= capacity_) {  // every row kept at its schedule position
-    b.x_rows = ring_x();
+    b.x_rows = fp8_ ? at(o_.x_rows) : ring_x();  // (fp8: pulled again in bf16 by the backward)
     b.h = ring_h();
   }
+  b.fp8_forward = fp8_;
   b.dy_rows = at(o_.dy_rows);
   b.row_weight = static_cast<float*>(at(o_.row_weight));
   b.dgu = at(o_.dgu);
@@ -740,8 +742,11 @@ std::string can_implement(const MoeBackwardArgs& a) {
                         a.timeout_s);
   if (!a.x_rows || !a.h || !a.gu)
     why << (a.replay ? "x_rows, h and gu (the replay's scratch) must be set; "
-                     : "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward that "
-                       "kept them, or replay; ");
+            : a.fp8_forward ? "x_rows (scratch), h and gu (the fp8 forward's kept rows) must be set; "
+                            : "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward "
+                              "that kept them, or replay; ");
+  if (a.replay && a.fp8_forward)
+    why << "replay and fp8_forward exclude each other (an fp8 forward keeps its rows; its backward pulls only x); ";
   if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
@@ -790,13 +795,14 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   g.schedule = view;
   // The token links serve the stage kernels' gather and the replay's (the backward megakernel's
   // comm warps read every row).
-  const bool links = a.token_links != nullptr && (a.replay || !(a.fused && cap > 0));
+  const bool pulls_x = a.replay || a.fp8_forward;  // the x rows are pulled again
+  const bool links = a.token_links != nullptr && (pulls_x || !(a.fused && cap > 0));
   g.schedule.row_link = links ? a.token_links : nullptr;
   g.x = dy_table;
   g.rows = a.dy_rows;
   g.topk_w = w_table;
   g.row_weights = a.row_weight;
-  GatherArgs gx = g;  // replay: the x rows from their source ranks
+  GatherArgs gx = g;  // replay and fp8_forward: the x rows from their source ranks
   gx.x = x_table;
   gx.rows = a.x_rows;
   gx.topk_w = nullptr;
@@ -860,7 +866,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
   dg.dx = a.dx;
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
-                                 can_implement(dg), a.replay ? can_implement(gx) : "",
+                                 can_implement(dg), pulls_x ? can_implement(gx) : "",
                                  a.replay ? can_implement(f) : "",
                                  links ? can_implement_links(shape, view, a.token_links) : "",
                                  event_problem(a.dx_shared_ready, "dx_shared_ready")})
@@ -880,16 +886,18 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   // The schedule's token links (local): dy (and with replay x) is then read once per token and rank.
   if (links) link_token_rows(shape, view, a.token_links, stream);
 
-  // 1. Every rank's dy and topk_w (with replay also x) are in its symmetric buffer, and every rank makes
+  // 1. Every rank's dy and topk_w (with replay or fp8_forward also x) are in its symmetric buffer, and every rank makes
   //    this call (a replay and a kept backward are different calls).
   barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
-          call_word(shape, H, I, a.swiglu_limit, a.replay ? kReplayBackwardCall : kBackwardCall));
-  if (a.replay) {
-    // 1b. Replay: every rank's x rows by the schedule, then h and g|u from them.
+          call_word(shape, H, I, a.swiglu_limit,
+                    a.replay ? kReplayBackwardCall : a.fp8_forward ? kFp8BackwardCall : kBackwardCall));
+  if (pulls_x) {
+    // 1b. Replay and fp8_forward: every rank's x rows by the schedule; replay: then h and g|u from them
+    //     (an fp8 forward kept its own).
     gather_rows(gx, stream);
-    gate_up_swiglu(f, stream);
+    if (a.replay) gate_up_swiglu(f, stream);
   }
   if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
     // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the

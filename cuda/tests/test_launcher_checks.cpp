@@ -67,7 +67,7 @@ TEST(MegakernelChecks, CallsOfTwoToThe30TilesAreRefusedByName) {
 
 // The fp8 forward (MoeForwardArgs::fp8): whole 128-column scale blocks, its buffers, and twice the
 // bf16 forward's tiles per row block in the tile limit, each refused by name; FusedBuffers refuses
-// fp8 with keep_rows (its backward is not built) and partial blocks before allocating anything.
+// partial blocks before allocating anything; its backward (fp8_forward) does not replay.
 TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
   MoeForwardArgs a;
   a.fp8 = true;
@@ -92,12 +92,15 @@ TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
   EXPECT_EQ(can_implement(a).find(what), std::string::npos) << can_implement(a);
 
   const RoutingShape shape{1, 64, 2, 4};
-  try {
-    FusedBuffers b(shape, 256, 256, 128, 128, /*keep_rows=*/true, /*fp8=*/true);
-    ADD_FAILURE() << "fp8 with keep_rows was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("the fp8 forward's backward is not built"), std::string::npos) << e.what();
-  }
+  MoeBackwardArgs back;
+  back.fp8_forward = true;
+  back.replay = true;
+  EXPECT_NE(can_implement(back).find("replay and fp8_forward exclude each other"), std::string::npos)
+      << can_implement(back);
+  back.replay = false;
+  EXPECT_NE(can_implement(back).find("x_rows (scratch), h and gu (the fp8 forward's kept rows) must be set"),
+            std::string::npos)
+      << can_implement(back);
   try {
     FusedBuffers b(shape, 256, 192, 128, 128, /*keep_rows=*/false, /*fp8=*/true);
     ADD_FAILURE() << "fp8 with intermediate 192 was accepted";

@@ -701,6 +701,50 @@ TEST(MegakernelPadding, SkippedHalvesKeepEveryBit) {
   }
 }
 
+// The backward of the fp8 forward (MoeBackwardArgs::fp8_forward: the bf16 backward on the fp8
+// forward's g|u and h, its x rows pulled again in bf16), as ref::layer_backward defines the fp8
+// layer's: within bf16's tolerance of the CPU reference (its own fp8 forward's rows differ from
+// the GPU's within the GEMMs' rounding), bit for bit across a fresh run, the stage kernels and
+// another minibatch.
+TEST_P(MegakernelFp8, BackwardMatchesTheOracleAndIsBitwiseStable) {
+  const Case& c = GetParam();
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  const auto in = make_inputs<float>(c.desc, c.routing, 1357, true);
+  const auto dy = make_output_grad<float>(c.desc, 1358, true);
+  const auto fwd = ref::layer_forward(in, ref::Rounding::bf16);
+  const auto ref = ref::layer_backward(in, fwd.context, dy, ref::Rounding::bf16);
+  RunConfig cfg;
+  cfg.fp8 = true;
+  cfg.backward = true;
+  cfg.dy = &dy;
+  const Outputs a = run_forward(in, cfg, 3);
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    ASSERT_EQ(a.errors[r], "") << "rank " << r;
+    const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
+    const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
+    const Comparison dw = compare(a.d_topk_w[r], ref.d_topk_w[r]);
+    EXPECT_TRUE(y.within(kFp8LayerTolerance)) << y.describe("y rank " + std::to_string(r));
+    EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe("dx rank " + std::to_string(r));
+    EXPECT_TRUE(dw.within(kBf16RelTolerance)) << dw.describe("d topk_w rank " + std::to_string(r));
+    std::printf("[ %s fp8 backward ] rank %d rel error y %.2e dx %.2e d_topk_w %.2e\n", c.name, r, y.rel_error,
+                dx.rel_error, dw.rel_error);
+  }
+  for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
+                                        std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
+                                        std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
+    const Comparison cmp = compare(*got, *want);
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(name);
+    std::printf("[ %s fp8 backward ] rel error %s %.2e\n", c.name, name, cmp.rel_error);
+  }
+  expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
+  RunConfig stages = cfg;
+  stages.stage_backward = true;
+  expect_same_gradients(a, run_forward(in, stages, 1), c.desc.ranks, "the stage kernels");
+  RunConfig other = cfg;
+  other.minibatch_rows = 256;
+  expect_same_gradients(a, run_forward(in, other, 1), c.desc.ranks, "minibatch 256");
+}
+
 class MegakernelBackward : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {

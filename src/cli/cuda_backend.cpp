@@ -420,11 +420,9 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
   const DeviceFacts facts = facts_for_gpu(props.name, ctas, static_cast<int64_t>(props.totalGlobalMem));
   const MoeConfig config = plan(planned, facts);
   const int64_t minibatch = config.minibatch_rows, cap = cuda::routed_row_capacity(shape);
-  // bf16: every row kept, for the backward. fp8: the forward alone (its fused backward is not
-  // built), in the planner's ring.
+  // Every row kept, for the backward (fp8: the forward's h and g|u; its x rows are pulled again).
   const bool fp8 = d.precision == Precision::fp8_block;
-  const int64_t ring = fp8 ? config.ring_rows : (cap + minibatch - 1) / minibatch * minibatch;
-  if (fp8) out.fused_backward_skipped = "the fp8 forward's fused backward is not built";
+  const int64_t ring = (cap + minibatch - 1) / minibatch * minibatch;
   const int comm = std::min(config.comm_sms, ctas / 4);  // 0: comm warps
   const int64_t El = d.local_experts();
   out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
@@ -456,7 +454,7 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
     check(cudaMemcpy(SymmetricLayout::at<void>(base, layout.dy), b.dy.get(), size_t(T * H) * 2, cudaMemcpyDeviceToDevice),
           "copy dy");
     bases.push_back(base);
-    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/!fp8, fp8);
+    f.buffers = std::make_unique<cuda::FusedBuffers>(shape, H, I, minibatch, ring, /*keep_rows=*/true, fp8);
     f.y = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused y");
     f.gu = DeviceArray<uint16_t>(static_cast<size_t>(cap * 2 * I), "fused g|u");
     f.dx = DeviceArray<uint16_t>(static_cast<size_t>(T * H), "fused dx");
@@ -513,7 +511,7 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         cuda::moe_forward(a, f.stream);
         check(cudaEventRecord(f.stop, f.stream), "event");
       }
-      for (int r = 0; r < R && !fp8; ++r) {  // the backward megakernel of every rank, after its forward
+      for (int r = 0; r < R; ++r) {  // the backward megakernel of every rank, after its forward
         FusedRank& f = fr[static_cast<size_t>(r)];
         const RankBuffers& b = ranks[static_cast<size_t>(r)];
         for (const auto& [ptr, bytes] : {std::pair<void*, size_t>{f.dx.get(), f.dx.bytes()},
@@ -544,10 +542,8 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         float ms = 0;
         check(cudaEventElapsedTime(&ms, fr[0].start, f.stop), "event time");
         slowest = std::max(slowest, double(ms));
-        if (!fp8) {
-          check(cudaEventElapsedTime(&ms, fr[0].backward_start, f.backward_stop), "event time");
-          slowest_backward = std::max(slowest_backward, double(ms));
-        }
+        check(cudaEventElapsedTime(&ms, fr[0].backward_start, f.backward_stop), "event time");
+        slowest_backward = std::max(slowest_backward, double(ms));
       }
       for (int r = 0; r < R && out.fused_difference.empty(); ++r) {
         FusedRank& f = fr[static_cast<size_t>(r)];
@@ -563,8 +559,8 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
       }
       if (run == 0) continue;
       out.fused_forward_ms.push_back(slowest);
-      if (!fp8) {  // the backward's outputs against the staged run's
-        out.fused_backward_ms.push_back(slowest_backward);
+      out.fused_backward_ms.push_back(slowest_backward);
+      {  // the backward's outputs against the staged run's
         bool same = out.fused_difference.empty() && out.fused_backward_difference.empty();
         auto first = [&](const std::string& name, const std::vector<float>& got, const std::vector<float>& want) {
           const int64_t at = first_bit_difference(got, want);

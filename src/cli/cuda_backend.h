@@ -48,7 +48,7 @@ struct CudaLayer {
   std::string fused_plan;                  // minibatch, ring and comm CTAs it ran with
   // The fused backward (the backward megakernel) after each fused forward, checked bitwise against
   // the staged backward's dx, d topk_w and routed weight gradients.
-  std::string fused_backward_skipped;      // why it did not run ("" = it ran; fp8: not built)
+  std::string fused_backward_skipped;      // why it did not run ("" = it ran)
   std::vector<double> fused_backward_ms;   // per timed run, first launch to last rank done
   int64_t fused_backward_identical_runs = 0;
   std::string fused_backward_difference;

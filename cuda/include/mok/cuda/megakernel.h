@@ -151,6 +151,12 @@ struct MoeBackwardArgs {
   void* h = nullptr;       // [row_capacity, I] (the forward's ring_h); written first with replay
   void* gu = nullptr;      // [row_capacity, 2I]; written first with replay
   bool replay = false;     // rebuild x_rows, h and gu from every rank's x (above)
+  // The backward of an fp8 forward (MoeForwardArgs::fp8 that kept every row: its ring held e4m3
+  // codes, its ring_h every row's bf16 h, and it saved g|u): h and gu are that forward's, and
+  // x_rows (scratch) is pulled again in bf16 from every rank's x, which every rank has written
+  // into its symmetric buffer again. Then the bf16 backward on them, as ref::layer_backward defines
+  // the fp8 layer's (the quantization passes gradients straight through). Not with replay.
+  bool fp8_forward = false;
   // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
   void* dy_rows = nullptr;         // [cap, H] bf16
   float* row_weight = nullptr;     // [cap]
@@ -196,7 +202,9 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 class FusedBuffers {
  public:
   // fp8: the fp8 forward's buffers too (MoeForwardArgs::fp8; hidden and intermediate multiples of
-  // 128), and wire() sets fp8; not with keep_rows (its backward is not built).
+  // 128), and wire() sets fp8; with keep_rows also the bf16 x rows its backward pulls again
+  // (MoeBackwardArgs::fp8_forward, which wire() sets). A training forward keeps every row: its
+  // ring holds them all (ring_rows >= the row capacity).
   FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
                int64_t ring_rows, bool keep_rows, bool fp8 = false);
   ~FusedBuffers();
@@ -232,6 +240,7 @@ class FusedBuffers {
     int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status, epoch;
     int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
     int64_t ring_x_scales, ring_h_codes, ring_h_scales, pair_counters;                        // fp8
+    int64_t x_rows;                                                                           // fp8, keep_rows
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }
   RoutingShape shape_;
