@@ -60,7 +60,7 @@ import torch
 
 from mok import testing
 
-from .impls._common import rowwise_e4m3
+from .impls._common import grouped_swiglu_mlp_e4m3, rowwise_e4m3
 from .presets import get_preset
 
 PRESETS = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -244,14 +244,10 @@ def run_shape(preset_name: str, rows_per_expert: int, dense: float, iters: int, 
         def mok_fwd_fp8() -> None:
             k.experts_forward_fp8(xq, offsets, *wq, h=h, y=y, h_codes=hq, gu=gu, swiglu_limit=limit, status=status)
 
-        x8, x8s = rowwise_e4m3(x)
-        wgu8, wgu8s = rowwise_e4m3(w_gu)
-        wd8, wd8s = rowwise_e4m3(w_down)
+        x8, wgu8, wd8 = rowwise_e4m3(x), rowwise_e4m3(w_gu), rowwise_e4m3(w_down)
 
         def torch_fwd_fp8() -> torch.Tensor:
-            a = torch._scaled_grouped_mm(x8, wgu8.transpose(-2, -1), x8s, wgu8s, offs=offs, out_dtype=bf)
-            h8, h8s = rowwise_e4m3(testing.swiglu(a[:, :I], a[:, I:], limit))
-            return torch._scaled_grouped_mm(h8, wd8.transpose(-2, -1), h8s, wd8s, offs=offs, out_dtype=bf)
+            return grouped_swiglu_mlp_e4m3(x8, offs, wgu8, wd8, limit)
 
         def torch_fwd_bf16() -> torch.Tensor:
             a = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)

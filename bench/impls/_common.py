@@ -61,9 +61,19 @@ def grouped_swiglu_mlp_fp8(
     ``torch._scaled_grouped_mm`` for gate|up and down. ``w_gate_up``: :func:`rowwise_e4m3_planes` of
     W_gate and W_up (stacked per expert: [El, 2I, H]); ``w_down``: of W_down. As :func:`grouped_swiglu_mlp`
     otherwise."""
+    return grouped_swiglu_mlp_e4m3(rowwise_e4m3(x_sorted), offs, w_gate_up, w_down, swiglu_limit)
+
+
+def grouped_swiglu_mlp_e4m3(
+    x8: tuple[torch.Tensor, torch.Tensor],
+    offs: torch.Tensor,
+    w_gate_up: tuple[torch.Tensor, torch.Tensor],
+    w_down: tuple[torch.Tensor, torch.Tensor],
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """:func:`grouped_swiglu_mlp_fp8` on rows already quantized (``x8``: :func:`rowwise_e4m3` of them)."""
     I = w_gate_up[0].shape[1] // 2
-    x8, x8s = rowwise_e4m3(x_sorted)
-    a = torch._scaled_grouped_mm(x8, w_gate_up[0].transpose(-2, -1), x8s, w_gate_up[1], offs=offs,
+    a = torch._scaled_grouped_mm(x8[0], w_gate_up[0].transpose(-2, -1), x8[1], w_gate_up[1], offs=offs,
                                  out_dtype=torch.bfloat16)
     h8, h8s = rowwise_e4m3(swiglu(a[:, :I], a[:, I:], swiglu_limit))
     return torch._scaled_grouped_mm(h8, w_down[0].transpose(-2, -1), h8s, w_down[1], offs=offs,

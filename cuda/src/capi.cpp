@@ -138,6 +138,19 @@ int handle_call(char* error, int error_len, Body&& body) {
   }
 }
 
+// A call without a handle through the C API: 0 when `body` ran, 1 with the message in `error`
+// when it threw (bad arguments or a CUDA error).
+template <class Body>
+int kernel_call(char* error, int error_len, Body&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, error, error_len);
+    return 1;
+  }
+}
+
 // The handle's forward arguments with what every forward call sets: the rank bases (through
 // `table`, which must outlive the call), the weights, y_shared with its event, and y.
 mok::cuda::MoeForwardArgs forward_call(ForwardHandle& h, const int64_t* bases, void* (&table)[mok::cuda::kMaxRanks],
@@ -164,7 +177,7 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
                              const void* expert_offsets, const void* x, const void* w_gate, const void* w_up,
                              const void* w_down, void* gu, void* h, void* y, int has_limit, float limit, void* status,
                              void* stream, int which, char* error, int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     mok::cuda::ExpertsForwardArgs a;
     a.row_capacity = row_capacity;
     a.hidden = hidden;
@@ -190,18 +203,14 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
     } else {
       throw std::invalid_argument("mok_cuda_experts_forward: which must be 0, 1 or 2, got " + std::to_string(which));
     }
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 // Block-scaled e4m3 quantization (mok/cuda/fp8.h): rows (1 x 128 scales, k-block major when
 // k_major; rows_used, a device int32, may be null) or planes of 128 x 128 blocks.
 int mok_cuda_quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, void* codes, void* scales, int k_major,
                                 const void* rows_used, void* stream, char* error, int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     auto* c = static_cast<uint8_t*>(codes);
     auto* sc = static_cast<float*>(scales);
     const auto s = static_cast<cudaStream_t>(stream);
@@ -211,23 +220,15 @@ int mok_cuda_quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, void*
       if (rows_used != nullptr) throw std::invalid_argument("mok_cuda_quantize_rows_e4m3: rows_used needs k_major");
       mok::cuda::quantize_rows_e4m3(x, rows, cols, c, sc, s);
     }
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 int mok_cuda_quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, void* codes,
                                   void* scales, void* stream, char* error, int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     mok::cuda::quantize_blocks_e4m3(x, planes, rows, cols, static_cast<uint8_t*>(codes), static_cast<float*>(scales),
                                     static_cast<cudaStream_t>(stream));
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 // The experts' fp8 forward (mok::cuda::ExpertsForwardFp8Args, in its field order).
@@ -237,7 +238,7 @@ int mok_cuda_experts_forward_fp8(int64_t row_capacity, int64_t hidden, int64_t i
                                  const void* w_down, const void* w_down_scales, void* gu, void* h, void* h_codes,
                                  void* h_scales, void* y, int has_limit, float limit, void* status, void* stream,
                                  char* error, int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     mok::cuda::ExpertsForwardFp8Args a;
     a.row_capacity = row_capacity;
     a.hidden = hidden;
@@ -260,11 +261,7 @@ int mok_cuda_experts_forward_fp8(int64_t row_capacity, int64_t hidden, int64_t i
     if (has_limit) a.swiglu_limit = limit;
     a.status = static_cast<int32_t*>(status);
     mok::cuda::experts_forward_fp8(a, static_cast<cudaStream_t>(stream));
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 // The backward on the same rows (mok::cuda::ExpertsBackwardArgs, in its field order). which: 0 =
@@ -276,7 +273,7 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
                               void* dgu, void* hw, void* dw_partial, void* dx, void* d_row_weight, void* d_w_gate,
                               void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit, void* status,
                               void* stream, int which, char* error, int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     mok::cuda::ExpertsBackwardArgs a;
     a.row_capacity = row_capacity;
     a.hidden = hidden;
@@ -316,23 +313,15 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
     } else {
       throw std::invalid_argument("mok_cuda_experts_backward: which must be 0 to 4, got " + std::to_string(which));
     }
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 // An SM copy of `bytes` (multiple of 16) between raw device addresses (a peer's, for NVLink rates).
 int mok_cuda_copy_bytes(void* dst, const void* src, int64_t bytes, int blocks, void* stream, char* error,
                         int error_len) {
-  try {
+  return kernel_call(error, error_len, [&] {
     mok::cuda::copy_bytes(dst, src, bytes, blocks, static_cast<cudaStream_t>(stream));
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, error, error_len);
-    return 1;
-  }
+  });
 }
 
 int64_t mok_cuda_dw_partial_blocks(int64_t intermediate) { return mok::cuda::dw_partial_blocks(intermediate); }

@@ -19,7 +19,6 @@ using detail::float_e4m3_t;
 using detail::Fp8GemmConfig;
 using detail::Fp8ScaledGemmParams;
 using detail::GemmConfig;
-using detail::StoreTensor;
 using host_util::bf;
 using host_util::check;
 using host_util::device_sms;
@@ -91,29 +90,9 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
   launch<true>(gate_up, a.num_sms, stream);
   // h as rows of 1 x 128 blocks, only the experts' rows (offsets[El] read on the device).
   quantize_rows_e4m3_k_major(a.h, R, I, a.h_codes, a.h_scales, a.expert_offsets + El, stream);
-  const StoreTensor y = store_target(a.y, R, H, H);
-  const Fp8ScaledGemmParams down{detail::fp8_tma_a(e4m3(a.h_codes), rows, i),
-                                 detail::fp8_tma_b(e4m3(a.w_down), h, i, experts),
-                                 detail::fp8_tma_b_half(e4m3(a.w_down), h, i, experts),
-                                 detail::fp8_tma_b_half(e4m3(a.w_down), h, i, experts),
-                                 y,
-                                 y,
-                                 y,
-                                 false,
-                                 false,
-                                 0.0f,
-                                 a.h_scales,
-                                 a.w_down_scales,
-                                 a.w_down_scales,
-                                 rows,
-                                 i,
-                                 h,
-                                 experts,
-                                 h / Fp8GemmConfig::kBlockN,
-                                 i / Fp8GemmConfig::kBlockK,
-                                 h / 128,
-                                 a.expert_offsets,
-                                 a.status};
+  const Fp8ScaledGemmParams down =
+      detail::fp8_store_params(e4m3(a.h_codes), a.h_scales, e4m3(a.w_down), a.w_down_scales,
+                               store_target(a.y, R, H, H), rows, i, h, experts, a.expert_offsets, a.status);
   launch<false>(down, a.num_sms, stream);
 }
 

@@ -55,29 +55,9 @@ void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b
   const auto* a8 = static_cast<const float_e4m3_t*>(a);
   const auto* b8 = static_cast<const float_e4m3_t*>(b);
   auto* o = static_cast<bfloat16_t*>(out);
-  const StoreTensor target{make_store_tma(o, rows, n, n, 1, 0), rows, n, 1};
-  const Fp8ScaledGemmParams p{fp8_tma_a(a8, rows, k),
-                              fp8_tma_b(b8, n, k, experts),
-                              fp8_tma_b_half(b8, n, k, experts),
-                              fp8_tma_b_half(b8, n, k, experts),
-                              target,
-                              target,
-                              target,
-                              false,
-                              false,
-                              0.0f,
-                              a_scales,
-                              b_scales,
-                              b_scales,
-                              rows,
-                              k,
-                              n,
-                              experts,
-                              ceil_div(n, Fp8GemmConfig::kBlockN),
-                              ceil_div(k, Fp8GemmConfig::kBlockK),
-                              ceil_div(n, 128),
-                              offsets,
-                              status};
+  const Fp8ScaledGemmParams p = fp8_store_params(a8, a_scales, b8, b_scales,
+                                                 StoreTensor{make_store_tma(o, rows, n, n, 1, 0), rows, n, 1}, rows,
+                                                 k, n, experts, offsets, status);
   const int smem = static_cast<int>(sizeof(Fp8ScaledGemmSharedStorage));
   check(cudaFuncSetAttribute(fp8_scaled_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "set shared memory");
@@ -87,6 +67,5 @@ void fp8_scaled_grouped_gemm(const void* a, const float* a_scales, const void* b
   fp8_scaled_gemm_kernel<false><<<sms, GemmConfig::kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "launch fp8 scaled grouped GEMM");
 }
-
 
 }  // namespace mok::test

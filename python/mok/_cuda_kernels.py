@@ -185,6 +185,17 @@ def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def _fp8_weight_specs(w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
+                      w_down: tuple[torch.Tensor, torch.Tensor], El: int, H: int, I: int) -> list[tuple]:
+    """The _check_tensors specs of three weights as :func:`quantize_weights` gives them: codes
+    [El, I, H] (W_gate, W_up) and [El, H, I] (W_down) float8_e4m3fn, with their 128 x 128 block scales."""
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    gate_up_scales, down_scales = (El, math.ceil(I / 128), math.ceil(H / 128)), (El, math.ceil(H / 128), math.ceil(I / 128))
+    return [("w_gate codes", w_gate[0], (El, I, H), e4m3), ("w_gate scales", w_gate[1], gate_up_scales, f32),
+            ("w_up codes", w_up[0], (El, I, H), e4m3), ("w_up scales", w_up[1], gate_up_scales, f32),
+            ("w_down codes", w_down[0], (El, H, I), e4m3), ("w_down scales", w_down[1], down_scales, f32)]
+
+
 def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor,
                         w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
                         w_down: tuple[torch.Tensor, torch.Tensor], *, h: torch.Tensor, y: torch.Tensor,
@@ -199,11 +210,7 @@ def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Ten
     rows = xq.shape[0]
     dev = xq.device
     specs = [("x codes", xq, (rows, H), torch.float8_e4m3fn), ("x scales", xs, (math.ceil(H / 128), rows), torch.float32),
-             ("w_gate codes", wgq, (El, I, H), torch.float8_e4m3fn), ("w_up codes", wuq, (El, I, H), torch.float8_e4m3fn),
-             ("w_down codes", wdq, (El, H, I), torch.float8_e4m3fn),
-             ("w_gate scales", wgs, (El, math.ceil(I / 128), math.ceil(H / 128)), torch.float32),
-             ("w_up scales", wus, (El, math.ceil(I / 128), math.ceil(H / 128)), torch.float32),
-             ("w_down scales", wds, (El, math.ceil(H / 128), math.ceil(I / 128)), torch.float32),
+             *_fp8_weight_specs(w_gate, w_up, w_down, El, H, I),
              ("h", h, (rows, I), torch.bfloat16), ("y", y, (rows, H), torch.bfloat16),
              ("h codes", hq, (rows, I), torch.float8_e4m3fn), ("h scales", hs, (math.ceil(I / 128), rows), torch.float32)]
     if gu is not None:
@@ -432,12 +439,8 @@ class FusedForward:
         context. Asynchronous on the current stream."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
-        e4m3, f32 = torch.float8_e4m3fn, torch.float32
         self._check_bases(bases, y.device)
-        specs = [("w_gate", w_gate[0], (El, I, H), e4m3), ("w_gate scales", w_gate[1], (El, I // 128, H // 128), f32),
-                 ("w_up", w_up[0], (El, I, H), e4m3), ("w_up scales", w_up[1], (El, I // 128, H // 128), f32),
-                 ("w_down", w_down[0], (El, H, I), e4m3),
-                 ("w_down scales", w_down[1], (El, H // 128, I // 128), f32), ("y", y, (T, H), torch.bfloat16)]
+        specs = [*_fp8_weight_specs(w_gate, w_up, w_down, El, H, I), ("y", y, (T, H), torch.bfloat16)]
         if y_shared is not None:
             specs.append(("y_shared", y_shared, (T, H), torch.bfloat16))
         _check_tensors(tuple(specs), device=y.device)

@@ -205,6 +205,37 @@ struct Fp8ScaledGemmParams {
   int32_t* status;
 };
 
+// The store form's parameters: out[rows, n] = bf16 of a [rows, k] (row scales a_scales
+// [ceil(k / 128), rows]) times each expert's b [experts, n, k] (scales [experts, ceil(n / 128),
+// ceil(k / 128)]). The gate|up form's fields hold valid stand-ins (b's halves, out), unused.
+inline Fp8ScaledGemmParams fp8_store_params(const float_e4m3_t* a, const float* a_scales, const float_e4m3_t* b,
+                                            const float* b_scales, const StoreTensor& out, int rows, int k, int n,
+                                            int experts, const int32_t* offsets, int32_t* status) {
+  const auto blocks = [](int v, int block) { return (v + block - 1) / block; };
+  return Fp8ScaledGemmParams{fp8_tma_a(a, rows, k),
+                             fp8_tma_b(b, n, k, experts),
+                             fp8_tma_b_half(b, n, k, experts),
+                             fp8_tma_b_half(b, n, k, experts),
+                             out,
+                             out,
+                             out,
+                             /*save_gu=*/false,
+                             /*has_limit=*/false,
+                             /*limit=*/0.0f,
+                             a_scales,
+                             b_scales,
+                             b_scales,
+                             rows,
+                             k,
+                             n,
+                             experts,
+                             blocks(n, Fp8GemmConfig::kBlockN),
+                             blocks(k, Fp8GemmConfig::kBlockK),
+                             blocks(n, 128),
+                             offsets,
+                             status};
+}
+
 struct Fp8ScaledGemmSharedStorage {
   alignas(1024) float_e4m3_t a[Fp8GemmConfig::kStageElems * Fp8GemmConfig::kStages];
   alignas(1024) float_e4m3_t b[Fp8GemmConfig::kStageElems * Fp8GemmConfig::kStages];
