@@ -35,7 +35,7 @@ struct ForwardHandle {
   mok::cuda::MoeForwardArgs args;
   mok::cuda::MoeBackwardArgs backward;  // its scratch, when the handle has a backward
   bool keeps_rows = false;
-  bool fp8 = false;          // the block-scaled fp8 forward (mok_cuda_forward_run_fp8; no backward)
+  bool fp8 = false;          // the block-scaled fp8 forward (mok_cuda_forward_run_fp8)
   int64_t context_rows = 0;  // rows of a kept context's x_rows / h / gu (the row capacity, whole minibatches)
   mok::MoeConfig config;
   std::unique_ptr<mok::cuda::FusedBuffers> buffers;  // every local buffer, one allocation
@@ -338,8 +338,9 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 // choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel).
 // `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
-// fp8: the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8; forward only, so
-// not with keep_rows).
+// fp8: the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8). With keep_rows its
+// ring is the row capacity (whole minibatches: every row's e4m3 codes stay where its backward's
+// schedule puts them), and the handle owns the bf16 x rows that backward pulls again.
 //
 // keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
 // (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
@@ -360,8 +361,6 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     if (has_limit) d.swiglu_limit = limit;
     if (fp8) d.precision = mok::Precision::fp8_block;  // (whole 128-column scale blocks)
     d.validate();
-    if (fp8 && keep_rows)
-      throw std::invalid_argument("fp8 runs the forward only (inference): its backward is not built, so no keep_rows");
     if (ranks > mok::cuda::kMaxRanks)
       throw std::invalid_argument("ranks=" + std::to_string(ranks) + " exceeds the kernels' pointer tables (" +
                                   std::to_string(mok::cuda::kMaxRanks) + ")");
@@ -389,12 +388,15 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
     a.timeout_s = timeout_s;
-    h->buffers = std::make_unique<mok::cuda::FusedBuffers>(mok::cuda::RoutingShape{ranks, tokens, topk, num_experts},
-                                                           hidden, intermediate, c.minibatch_rows, c.ring_rows,
+    const mok::cuda::RoutingShape shape{ranks, tokens, topk, num_experts};
+    const int64_t cap = mok::cuda::routed_row_capacity(shape);
+    h->context_rows = (cap + c.minibatch_rows - 1) / c.minibatch_rows * c.minibatch_rows;
+    // A kept context replaces a bf16 forward's ring (x_rows and h are its rows); an fp8 forward's
+    // context holds h and g|u only, so its own ring (codes, scales, h codes) holds every row.
+    const int64_t ring = h->fp8 && h->keeps_rows ? h->context_rows : c.ring_rows;
+    h->buffers = std::make_unique<mok::cuda::FusedBuffers>(shape, hidden, intermediate, c.minibatch_rows, ring,
                                                            h->keeps_rows, h->fp8);
     h->buffers->wire(a);
-    const int64_t cap = a.row_capacity;
-    h->context_rows = (cap + a.minibatch_rows - 1) / a.minibatch_rows * a.minibatch_rows;
     cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&h->mirror), sizeof(ForwardHandle::Mirror), cudaHostAllocDefault),
                "allocate the status mirror");
     std::memset(h->mirror, 0, sizeof(ForwardHandle::Mirror));
@@ -439,6 +441,9 @@ void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>
 // [context rows, H], h [context rows, I], gu [context rows, 2I] bf16 (a kept context), or none of
 // them (a replay context: the forward runs in the handle's ring and its backward replays the
 // rows into buffers of those sizes that it is given). All null: the forward keeps nothing.
+// An fp8 handle's kept context is h and gu without x_rows (null): its backward pulls the bf16 x
+// rows again into the handle's own buffer (megakernel.h: MoeBackwardArgs::fp8_forward); an fp8
+// forward has no replay context.
 struct Context {
   void *x_rows, *h, *gu, *offsets, *src_rank, *src_slot;
 };
@@ -447,13 +452,21 @@ namespace {
 enum class Kept { nothing, schedule, rows };
 
 Kept context_kind(const ForwardHandle& h, const Context& c) {
-  const bool schedule = c.offsets && c.src_rank && c.src_slot, rows = c.x_rows && c.h && c.gu;
+  const bool schedule = c.offsets && c.src_rank && c.src_slot;
+  const bool rows = (h.fp8 || c.x_rows) && c.h && c.gu;
   if ((c.offsets || c.src_rank || c.src_slot) && !schedule)
     throw std::invalid_argument("context buffers: give all three schedule buffers (offsets, src_rank, src_slot) or none");
+  if (h.fp8 && c.x_rows)
+    throw std::invalid_argument("context buffers: an fp8 forward keeps no x rows (its backward pulls them again): "
+                                "give x_rows = null with h and gu");
   if ((c.x_rows || c.h || c.gu) && !(rows && schedule))
-    throw std::invalid_argument("context buffers: give all three row buffers (x_rows, h, gu) with the schedule, or none");
+    throw std::invalid_argument(h.fp8 ? "context buffers: give h and gu with the schedule, or none"
+                                      : "context buffers: give all three row buffers (x_rows, h, gu) with the schedule, "
+                                        "or none");
   if (schedule && !h.keeps_rows)
     throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
+  if (h.fp8 && schedule && !rows)
+    throw std::invalid_argument("an fp8 forward keeps its rows' h and g|u or nothing: its replay is not built");
   return rows ? Kept::rows : schedule ? Kept::schedule : Kept::nothing;
 }
 }  // namespace
@@ -485,19 +498,29 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
 
 // One call of the block-scaled fp8 forward (a handle made with fp8; megakernel.h:
 // MoeForwardArgs::fp8): the weights as e4m3 codes with their 128 x 128 block scales
-// (mok_cuda_quantize_blocks_e4m3), the rest as mok_cuda_forward_run without a context.
+// (mok_cuda_quantize_blocks_e4m3), the rest as mok_cuda_forward_run; its kept context (training)
+// is h and gu with the schedule, ctx_x_rows null (Context above).
 int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_gate, const void* w_gate_scales,
                              const void* w_up, const void* w_up_scales, const void* w_down, const void* w_down_scales,
-                             const void* y_shared, void* y_shared_ready, void* y, void* stream, char* error,
-                             int error_len) {
+                             const void* y_shared, void* y_shared_ready, void* y, void* ctx_x_rows, void* ctx_h,
+                             void* ctx_gu, void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream,
+                             char* error, int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->fp8) throw std::invalid_argument("this forward was made without fp8: call mok_cuda_forward_run");
+    const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
     mok::cuda::MoeForwardArgs a = forward_call(*h, bases, table, w_gate, w_up, w_down, y_shared, y_shared_ready, y);
     a.w_gate_scales = static_cast<const float*>(w_gate_scales);
     a.w_up_scales = static_cast<const float*>(w_up_scales);
     a.w_down_scales = static_cast<const float*>(w_down_scales);
+    if (context_kind(*h, c) == Kept::rows) {  // the handle's ring is the row capacity: h and g|u land in place
+      a.ring_h = c.h;
+      a.gu = c.gu;
+      a.expert_offsets = static_cast<int32_t*>(c.offsets);
+      a.src_rank = static_cast<int32_t*>(c.src_rank);
+      a.src_slot = static_cast<int32_t*>(c.src_slot);
+    }
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
   });
 }
@@ -506,7 +529,9 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
 // dy and topk_w into its symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
 // overwritten. replay = 1: the forward kept only its schedule (a replay context), every rank has
 // written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
-// (megakernel.h: MoeBackwardArgs::replay). dx_shared (optional) is added in the dx sum, after
+// (megakernel.h: MoeBackwardArgs::replay). On an fp8 handle the context is the fp8 forward's h and
+// gu (ctx_x_rows null, replay 0): every rank has written its x again, and the call pulls the bf16
+// x rows into the handle's buffer (MoeBackwardArgs::fp8_forward). dx_shared (optional) is added in the dx sum, after
 // dx_shared_ready (optional, a cudaEvent_t recorded after it on another stream).
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx_shared_ready, void* dx, void* d_topk_w, void* d_w_gate,
@@ -517,6 +542,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
+    if (h->fp8 && replay) throw std::invalid_argument("an fp8 forward has no replay backward (its context keeps h and g|u)");
     if (context_kind(*h, c) != Kept::rows)
       throw std::invalid_argument(replay ? "a replay backward needs its forward's schedule and buffers for the rows"
                                          : "the backward needs the context its forward kept");
@@ -535,7 +561,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.d_w_up = d_w_up;
     b.d_w_down = d_w_down;
     b.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
-    b.x_rows = c.x_rows;
+    if (!h->fp8) b.x_rows = c.x_rows;  // (fp8: the handle's, wired with fp8_forward)
     b.h = c.h;
     b.gu = c.gu;
     b.expert_offsets = static_cast<const int32_t*>(c.offsets);

@@ -69,9 +69,10 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 13 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_run_fp8.restype = ctypes.c_int
-    # handle, bases, then 6 weight tensors, y_shared, its event, y and the stream, then the error buffer.
+    # handle, bases, then 6 weight tensors, y_shared, its event, y, 6 context buffers and the stream,
+    # then the error buffer.
     lib.mok_cuda_forward_run_fp8.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [
-        ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_void_p] * 16 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_check.restype = ctypes.c_int
@@ -338,7 +339,8 @@ class Context:
     """What a training forward keeps for its backward (allocated per call from torch's allocator,
     saved by autograd): the schedule, and with ``rows`` every routed row's x, h and g|u. Without
     rows (a replay context) the forward runs in the handle's ring and the backward replays the
-    rows into buffers it allocates for that call only (:meth:`FusedForward.backward`)."""
+    rows into buffers it allocates for that call only (:meth:`FusedForward.backward`). An fp8
+    forward's context keeps h and g|u but no x rows: its backward pulls the bf16 rows again."""
 
     def __init__(self, fused: "FusedForward", device: torch.device, rows: bool = True) -> None:
         cap = fused.row_capacity
@@ -397,15 +399,21 @@ class FusedForward:
             raise ValueError(f"tensors are on {device}, but this FusedForward was made on {self.device}")
 
     def new_context(self, device: torch.device, *, replay: bool = False) -> Context:
-        """A context for one training forward: every row kept, or (``replay``) only the schedule."""
+        """A context for one training forward: every row kept, or (``replay``, bf16 only) only the schedule."""
         if not self.keep_rows:
             raise ValueError("this FusedForward was made without keep_rows: it keeps no context")
+        if replay and self.fp8:
+            raise ValueError("an fp8 forward has no replay context: its backward needs the forward's own h and g|u")
         return Context(self, device, rows=not replay)
 
-    def row_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x_rows [context rows, H], h [context rows, I], g|u [context rows, 2I], bf16, uninitialized."""
-        rows, H, I = self.context_rows, self.hidden, self.intermediate
-        return tuple(torch.empty(rows, n, dtype=torch.bfloat16, device=device) for n in (H, I, 2 * I))  # type: ignore[return-value]
+    def row_buffers(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """x_rows [context rows, H], h [context rows, I], g|u [context rows, 2I], bf16, uninitialized
+        (fp8: x_rows is None, the handle pulls them into its own buffer)."""
+        def rows(n: int) -> torch.Tensor:
+            return torch.empty(self.context_rows, n, dtype=torch.bfloat16, device=device)
+
+        I = self.intermediate
+        return (None if self.fp8 else rows(self.hidden)), rows(I), rows(2 * I)
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
             *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None,
@@ -432,11 +440,14 @@ class FusedForward:
 
     def run_fp8(self, bases: list[int], w_gate: tuple[torch.Tensor, torch.Tensor],
                 w_up: tuple[torch.Tensor, torch.Tensor], w_down: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor,
-                *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None) -> None:
+                *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None,
+                context: Context | None = None) -> None:
         """The block-scaled fp8 forward (a FusedForward made with ``fp8``): each weight as
         :func:`quantize_weights` gives it, (codes float8_e4m3fn, 128 x 128 block scales); the call
-        quantizes this rank's x (in its symmetric buffer) itself. Otherwise as :meth:`run` without a
-        context. Asynchronous on the current stream."""
+        quantizes this rank's x (in its symmetric buffer) itself. Otherwise as :meth:`run`; its
+        context (keep_rows) keeps h and g|u for :meth:`backward`, which runs the bf16 backward on
+        them (the bf16 weights; the quantization passes gradients straight through). Asynchronous
+        on the current stream."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         self._check_bases(bases, y.device)
@@ -446,10 +457,11 @@ class FusedForward:
         _check_tensors(tuple(specs), device=y.device)
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
+        ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run_fp8(
             self._handle, table, _ptr(w_gate[0]), _ptr(w_gate[1]), _ptr(w_up[0]), _ptr(w_up[1]), _ptr(w_down[0]),
-            _ptr(w_down[1]), _ptr(y_shared), _event(y_shared_ready), _ptr(y), torch.cuda.current_stream().cuda_stream,
-            error, len(error))
+            _ptr(w_down[1]), _ptr(y_shared), _event(y_shared_ready), _ptr(y), *ctx,
+            torch.cuda.current_stream().cuda_stream, error, len(error))
         _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
@@ -458,7 +470,8 @@ class FusedForward:
                  dx_shared_ready: torch.cuda.Event | None = None) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
         topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
-        are then pulled and gate|up run again, into buffers that live for this call only). Weight
+        are then pulled and gate|up run again, into buffers that live for this call only; or an
+        fp8 one: the bf16 rows are pulled again, w_* are the bf16 weights). Weight
         gradients are fp32, or bf16 when d_w_* are (the kernels write them, half the bytes).
         dx_shared is added in the fp32 dx sum (one rounding); dx_shared_ready: an event recorded
         after it on another stream, which only that sum waits for. Asynchronous."""

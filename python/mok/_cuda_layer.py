@@ -16,7 +16,9 @@ handle and raised by :func:`check` (it synchronizes). A forward without autograd
 training forward keeps every routed row's x, h and g|u (about rows * (H + 3I) * 2 bytes per layer);
 with ``save_context=False`` it keeps only x and its schedule, runs in the planner's ring, and the
 backward replays the rows: it pulls them again and reruns gate|up + SwiGLU (not the down GEMM or
-the combine), the same bits as a kept context.
+the combine), the same bits as a kept context. An fp8 training forward keeps h, g|u and x (its
+workspace's e4m3 ring is the row capacity); its backward pulls the bf16 rows again and runs the
+bf16 backward on them.
 
 No host sync and no allocation outside torch's allocator happen in a call, so a training step can
 be captured in a CUDA graph (``torch.cuda.graph``) after a warm-up call that made the workspace;
@@ -57,7 +59,7 @@ class _Key:
     device: int
     plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows,
     #                                         fused_backward)
-    fp8: bool = False  # the block-scaled fp8 forward (inference only)
+    fp8: bool = False  # the block-scaled fp8 forward (its backward: bf16, on the fp8 forward's h and g|u)
 
     def shapes(self) -> tuple[object, ...]:
         return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device,
@@ -105,7 +107,7 @@ class _Workspace:
             torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
-                                          keep_rows=not key.fp8, fp8=key.fp8, **dict(key.plan))
+                                          keep_rows=True, fp8=key.fp8, **dict(key.plan))
         self.x = self._view("x", torch.bfloat16, (T, H))
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
@@ -169,6 +171,19 @@ def _bf16(w: Tensor) -> Tensor:
     return w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
 
 
+def _run_forward_fp8(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
+                     w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
+    """One fused fp8 forward (the call quantizes x; the weights come from the per-version cache).
+    With a context it keeps h and g|u for the backward."""
+    ws.x.copy_(x)
+    ws.topk_idx.copy_(topk_idx)
+    ws.topk_w.copy_(topk_w)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y,
+                     y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
+    return y
+
+
 def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
     """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel. With a
@@ -185,7 +200,10 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
 
 class _FusedMoe(torch.autograd.Function):
     """The routed experts through the C API and, when given, the shared expert on MoK's expert
-    kernels (one expert whose rows are all the tokens). The shared expert's dx enters the call's
+    kernels (one expert whose rows are all the tokens). With ``fp8`` both forwards are block-scaled
+    e4m3 and keep their g|u and h; the backward is the bf16 one on those, with the bf16 weights
+    (the quantization passes gradients straight through, as the CPU oracle's fp8 layer defines
+    it), and pulls the bf16 x rows again. The shared expert's dx enters the call's
     fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards). Its backward runs before the
     call, on the same stream: on a side stream beside the routed backward it was slower (2 H200s,
     8192 tokens per rank: Kimi K2 31.5 ms against 29.9, DeepSeek-V4 36.9 against 33.8; its GEMMs
@@ -196,20 +214,26 @@ class _FusedMoe(torch.autograd.Function):
                 s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
                 ws: _Workspace, save_context: bool) -> Tensor:
         # save_context=False: keep x and the schedule only; the backward replays the rows (less
-        # memory between the passes, a faster forward, the same bits).
+        # memory between the passes, a faster forward, the same bits). (fp8: moe() refuses it.)
+        fp8 = ws.fused.fp8
         context = ws.fused.new_context(x.device, replay=not save_context)
         shared = s_gate is not None and s_up is not None and s_down is not None
         y_shared = None
         kept: tuple[Tensor | None, ...] = (None, None, None)
         if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit)
+            forward = _shared_expert_fp8 if fp8 else _shared_expert_forward
+            rows, y_shared = forward(x, s_gate, s_up, s_down, swiglu_limit)
             assert rows is not None
             kept = rows
-        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
+        if fp8:
+            y = _run_forward_fp8(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
+        else:
+            y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
-        # x only where the backward reads it: the replay pulls it again, the shared expert's rows hold it.
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if context.replay else None, s_gate, s_up, s_down,
-                              *kept)
+        # x only where the backward reads it: the replay and the fp8 backward pull it again, the
+        # shared expert's rows hold it.
+        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None, s_gate, s_up,
+                              s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
@@ -239,7 +263,7 @@ class _FusedMoe(torch.autograd.Function):
             dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
                                                         ctx.swiglu_limit)  # type: ignore[arg-type]
             shared_grads = tuple(grads)
-        if replay:  # a replay context: every rank's x is pulled again
+        if replay or ws.fused.fp8:  # every rank's x is pulled again
             ws.x.copy_(x)
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
@@ -258,11 +282,6 @@ class _FusedMoe(torch.autograd.Function):
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
                 *shared_grads, None, None, None)
-
-
-def _shared_expert(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None) -> Tensor:
-    """y_shared of the replicated shared expert, without autograd."""
-    return _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, keep=False)[1]
 
 
 _SHARED_ROWS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -359,22 +378,25 @@ def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return q
 
 
-def _shared_expert_fp8(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor,
-                       swiglu_limit: float | None) -> Tensor:
-    """y_shared of the replicated shared expert in block-scaled fp8 (experts_forward_fp8, one expert
-    whose rows are all the tokens), as the routed experts of an fp8 call."""
+def _shared_expert_fp8(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
+                       keep: bool = True) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
+    """The replicated shared expert in block-scaled fp8 (experts_forward_fp8, one expert whose rows
+    are all the tokens), as the routed experts of an fp8 call: (x rows in bf16, g|u, h) for
+    _shared_expert_backward when ``keep``, and y_shared."""
     T, H = x.shape
     offsets, weight = _shared_rows(T, x.device)
     rows = weight.shape[0]
     wg, wu, wd = (_fp8_weight(w) for w in (s_gate, s_up, s_down))
     Is = wg[0].shape[1]
+    x_rows = _padded(x.to(torch.bfloat16), rows)
     h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
+    gu = torch.empty(rows, 2 * Is, dtype=torch.bfloat16, device=x.device) if keep else None
     h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
                torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
-    kernels.experts_forward_fp8(kernels.quantize_rows(_padded(x.to(torch.bfloat16), rows)), offsets, wg, wu, wd, h=h,
-                                y=y, h_codes=h_codes, swiglu_limit=swiglu_limit)
-    return y[:T]
+    kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, wg, wu, wd, h=h, y=y, h_codes=h_codes, gu=gu,
+                                swiglu_limit=swiglu_limit)
+    return ((x_rows, gu, h) if gu is not None else None), y[:T]
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -393,10 +415,9 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
     fp8 = precision == "fp8"
-    if fp8 and needs_grad:
-        raise NotImplementedError("mok: precision='fp8' runs the forward only (inference): its backward is not "
-                                  "built. Call it under torch.no_grad() (or with inputs that do not require grad), "
-                                  "or train with precision='bf16'")
+    if fp8 and needs_grad and not save_context:
+        raise NotImplementedError("mok: precision='fp8' keeps its context (its backward runs on the fp8 forward's "
+                                  "own g|u and h; the fp8 replay is not built): save_context=False is for bf16")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
@@ -406,22 +427,11 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, fp8)
-        if fp8:
-            xc = x.contiguous()
-            y_shared = None
-            if s_gate is not None and s_up is not None and s_down is not None:
-                y_shared = _shared_expert_fp8(xc, s_gate, s_up, s_down, swiglu_limit)
-            ws.x.copy_(xc)
-            ws.topk_idx.copy_(topk_idx)
-            ws.topk_w.copy_(topk_w)
-            y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-            ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y,
-                             y_shared=y_shared)
-            return y
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
         if not needs_grad:
             y_shared = None
             if s_gate is not None and s_up is not None and s_down is not None:
-                y_shared = _shared_expert(args[0], s_gate, s_up, s_down, swiglu_limit)
-            return _run_forward(ws, *args, y_shared, None)
+                shared_forward = _shared_expert_fp8 if fp8 else _shared_expert_forward
+                y_shared = shared_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False)[1]
+            return (_run_forward_fp8 if fp8 else _run_forward)(ws, *args, y_shared, None)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)

@@ -71,8 +71,10 @@ class MoeConfig:
     The planner's fields shape the GPU megakernel's pipeline; results do not depend on them.
     ``precision`` does: None or "bf16" (the default), or "fp8": block-scaled e4m3 experts (1 x 128
     scales on x and h, 128 x 128 on the weights, each k-block promoted into fp32; the fp8 megakernel
-    pulls half the bytes). fp8 runs on the GPU, forward only (inference, no autograd), with hidden
-    and intermediate multiples of 128; the weights are quantized once per weight version.
+    pulls half the bytes). fp8 runs on the GPU, with hidden and intermediate multiples of 128; the
+    weights are quantized once per weight version. Its backward is the bf16 one on the fp8
+    forward's own g|u and h with the bf16 weights (the quantization passes gradients straight
+    through), so it keeps its context: save_context=False is refused at fp8.
     """
 
     comm_sms: int | None = None  # SMs that only move data (None/0: 3 warps of every CTA pull the rows)
@@ -81,7 +83,7 @@ class MoeConfig:
     ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
     # The GPU backward as one megakernel launch (True) or as stage kernels (False): the same bits.
     fused_backward: bool | None = None
-    precision: str | None = None  # None / "bf16", or "fp8" (GPU inference)
+    precision: str | None = None  # None / "bf16", or "fp8" (GPU; bf16 backward)
 
 
 class Schedule(NamedTuple):

@@ -1,5 +1,5 @@
 """mok.moe over an expert-parallel group of 2 GPUs (NCCL + torch symmetric memory): the fused
-forward and its backward on every rank against the C++ reference over the same emulated ranks,
+forward and its backward (bf16, and fp8 against the reference's fp8 layer) on every rank against the C++ reference over the same emulated ranks,
 bitwise the same on a rerun, and bitwise the same as the whole batch on one GPU (results do not
 depend on the number of ranks); a CUDA graph of a training step replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
 (tools/gpu.sh runs it on the 2-GPU machine).
@@ -31,6 +31,8 @@ CASES = [
             save_context=False),
     td.Case("one_token", 1, 4, 256, 128, 2),
     td.Case("no_tokens", 0, 4, 256, 128, 2, shared=64),
+    # fp8: the fp8 megakernel pulls e4m3 rows over NVLink; its backward pulls the bf16 rows again.
+    td.Case("zipf_shared_clamped_fp8", 300, 8, 512, 256, 4, shared=128, limit=7.0, routing="zipf", precision="fp8"),
 ]
 NAMES = ("y", "dx", "d_topk_w", "d_gate", "d_up", "d_down")
 SHARED = ("d_shared_gate", "d_shared_up", "d_shared_down")
@@ -47,7 +49,8 @@ def run_layer(case: td.Case, p: td.GlobalProblem, group: dist.ProcessGroup | Non
     weights = [t[mine].to(dev, torch.bfloat16).contiguous().requires_grad_() for t in p.weights]
     shared = [t.to(dev, torch.bfloat16).requires_grad_() for t in p.shared] if p.shared else None
     y = mok.moe(x, p.topk_idx[rank].to(dev), w, *weights, tuple(shared) if shared else None,
-                swiglu_limit=case.limit, group=group, save_context=case.save_context)
+                swiglu_limit=case.limit, group=group, save_context=case.save_context,
+                config=mok.MoeConfig(precision=case.precision))
     y.backward(p.dy[rank].to(dev))
     from mok import _cuda_layer
 

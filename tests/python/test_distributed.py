@@ -45,6 +45,7 @@ class Case:
     limit: float | None = None
     routing: str = "uniform"
     save_context: bool = True
+    precision: str = "bf16"  # "fp8": the GPU suites' cases only (the CPU layer is bf16)
 
 
 CASES = [
@@ -93,7 +94,7 @@ def reference(case: Case, p: GlobalProblem, ranks: int) -> dict[str, Any]:
     x = [cat(p.x, r) for r in range(ranks)]
     desc = _C.MoeDesc(tokens_per_rank=x[0].shape[0], hidden=case.hidden, intermediate=case.intermediate,
                       num_experts=p.weights[0].shape[0], topk=p.topk_idx[0].shape[1], ranks=ranks,
-                      shared_intermediate=case.shared, swiglu_limit=case.limit)
+                      shared_intermediate=case.shared, swiglu_limit=case.limit, precision=case.precision)
     shared = [f32(t) for t in p.shared] if p.shared else [None] * 3
     return _C.reference_layer(desc, [f32(t) for t in x], [cat(p.topk_idx, r).int().contiguous().numpy()
                                                           for r in range(ranks)],
