@@ -94,12 +94,13 @@ def _baselines(ranks: int) -> list[Case]:
 
 
 def _fp8(ranks: int) -> list[Case]:
-    # The forward in fp8 (inference: MoK's block-scaled megakernel; torch's row-wise fp8 baseline),
-    # on the presets whose hidden and intermediate sizes are whole 128-column blocks.
-    # Each shape also in bf16 (forward only), so that one run compares the two precisions too.
+    # The layer in fp8 (MoK's block-scaled megakernel, its backward the bf16 one on the fp8
+    # forward's h and g|u; torch's row-wise fp8 baseline, forward only), on the presets whose hidden
+    # and intermediate sizes are whole 128-column blocks. Each shape also in bf16, so that one run
+    # compares the two precisions too.
     presets = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b")
     return [
-        Case("layer", p, ranks, r, tokens_per_rank=t, precision=precision, passes=("forward",))
+        Case("layer", p, ranks, r, tokens_per_rank=t, precision=precision, passes=("forward", "backward"))
         for t in (2048, 8192)
         for p in presets
         for r in ("balanced", "zipf")

@@ -123,26 +123,34 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     its symmetric buffer and makes one call per pass. The forward is the megakernel (barrier,
     schedule, fused dispatch + experts + combine push, combine); it keeps its rows when the case
     has a backward, which runs the stage kernels over the same buffers. The shared expert runs in
-    torch as mok.moe runs it (before the call in each pass, dx_shared summed by the call)."""
+    torch as mok.moe runs it (before the call in each pass, dx_shared summed by the call).
+
+    At precision fp8 as mok.moe(config=MoeConfig(precision="fp8")) runs it: the weights quantized
+    once (outside the timed passes), the call quantizing x itself, the shared expert on
+    experts_forward_fp8 before the call; the backward is the bf16 one on the fp8 forward's h and
+    g|u (every rank writes x again: the call pulls the bf16 rows)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
-    if problem.case.precision == "fp8":
-        return _build_layer_fp8(problem, ctx)
-    if problem.case.precision != "bf16":
+    if problem.case.precision not in ("bf16", "fp8"):
         raise Skip(f"precision {problem.case.precision} not implemented yet")
     kernels = _cuda_kernels()
     p = problem
+    fp8 = p.case.precision == "fp8"
     T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
     bases, (x_in, idx_in, w_in, dy_in) = _symmetric_inputs(p, ctx, kernels)
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
     plan = _plan_overrides()
     replay = bool(plan.pop("replay", 0))
+    if fp8 and replay:
+        raise Skip("MOK_BENCH_PLAN replay=1: an fp8 forward has no replay (its backward needs its own h and g|u)")
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
                                  num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward,
-                                 **plan)
+                                 fp8=fp8, **plan)
     dev = p.x.device
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
+    weights_fp8 = [kernels.quantize_weights(w.to(torch.bfloat16).contiguous()) for w in (w_gate, w_up, w_down)] \
+        if fp8 else []
     El, I = w_gate.shape[0], p.preset.I
     dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk_w = torch.empty(T, k, dtype=torch.float32, device=dev)
@@ -162,7 +170,10 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     shared_mode = os.environ.get("MOK_BENCH_SHARED", "mok")
     if shared_mode not in ("mok", "overlap", "torch"):
         raise ValueError(f"MOK_BENCH_SHARED={shared_mode!r} is not one of mok, overlap, torch")
+    if fp8 and shared_mode == "torch":
+        raise Skip("MOK_BENCH_SHARED=torch: the shared expert in torch is bf16 (the fp8 row runs it in fp8)")
     shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
+    shared_forward = _cuda_layer._shared_expert_fp8 if fp8 else _cuda_layer._shared_expert_forward
 
     def forward() -> tuple[torch.Tensor, Any]:
         x_in.copy_(p.x.detach())
@@ -173,9 +184,11 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
             if shared_mode == "torch":
                 saved, y_shared = _torch_shared_forward(p.x.detach(), *shared_w, p.swiglu_limit)
             else:
-                saved, y_shared = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit,
-                                                                     keep=with_backward)
-        fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared, context=context)
+                saved, y_shared = shared_forward(p.x.detach(), *shared_w, p.swiglu_limit, keep=with_backward)
+        if fp8:
+            fused.run_fp8(bases, *weights_fp8, y, y_shared=y_shared, context=context)
+        else:
+            fused.run(bases, w_gate, w_up, w_down, y, y_shared=y_shared, context=context)
         return y, saved
 
     def output(state: tuple[torch.Tensor, Any]) -> torch.Tensor:
@@ -208,7 +221,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
                 ready.record(side)
                 for t in (dx_shared, *d_shared):
                     t.record_stream(main)
-        if replay:  # every rank's x is pulled again
+        if replay or fp8:  # every rank's x is pulled again
             x_in.copy_(p.x.detach())
         dy_in.copy_(p.d_y)
         w_in.copy_(p.topk_w.detach())
@@ -264,7 +277,7 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     gradients returned in the weights' dtype."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU")
-    if problem.case.precision != "bf16":
+    if problem.case.precision not in ("bf16", "fp8"):
         raise Skip(f"precision {problem.case.precision} not implemented yet")
     try:
         import mok
@@ -278,11 +291,13 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     p = problem
     group = ctx.runtime.group if p.ranks > 1 else None
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
+    config = mok.MoeConfig(precision=p.case.precision)
 
     def forward() -> torch.Tensor:
         with torch.set_grad_enabled(with_backward):
             return moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down,
-                       None if p.shared is None else tuple(p.shared), swiglu_limit=p.swiglu_limit, group=group)
+                       None if p.shared is None else tuple(p.shared), swiglu_limit=p.swiglu_limit, group=group,
+                       config=config)
 
     def output(y: torch.Tensor) -> torch.Tensor:
         _cuda_layer.check()  # a timed-out wait or a bad expert id is an error, not a number
@@ -296,43 +311,6 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
         return list(torch.autograd.grad(y, p.grad_targets, p.d_y))
 
     return Runner(forward=forward, output=output, backward=backward)
-
-
-def _build_layer_fp8(problem: Any, ctx: BenchContext) -> Runner:
-    """The `mok` row at precision fp8: the block-scaled fp8 megakernel's forward (inference: no
-    backward), as mok.moe(config=MoeConfig(precision="fp8")) runs it: the weights quantized once
-    (outside the timed passes), the call quantizing x itself, the shared expert on
-    experts_forward_fp8 before the call."""
-    kernels = _cuda_kernels()
-    from mok import _cuda_layer
-
-    p = problem
-    T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
-    bases, (x_in, idx_in, w_in, _) = _symmetric_inputs(p, ctx, kernels)
-    plan = _plan_overrides()
-    plan.pop("replay", None)
-    fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
-                                 num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, fp8=True, **plan)
-    weights = [kernels.quantize_weights(w.detach().to(torch.bfloat16).contiguous())
-               for w in (p.w_gate, p.w_up, p.w_down)]
-    shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
-    y = torch.empty(T, H, dtype=torch.bfloat16, device=p.x.device)
-
-    def forward() -> torch.Tensor:
-        x = p.x.detach()
-        x_in.copy_(x)
-        idx_in.copy_(p.topk_idx)
-        w_in.copy_(p.topk_w.detach())
-        y_shared = None if shared_w is None else _cuda_layer._shared_expert_fp8(x, *shared_w, p.swiglu_limit)
-        fused.run_fp8(bases, *weights, y, y_shared=y_shared)
-        return y
-
-    def output(out: torch.Tensor) -> torch.Tensor:
-        fused.check()  # a timed-out wait or a bad expert id is an error, not a number
-        return out
-
-    return Runner(forward=forward, output=output, backward=None,
-                  no_backward_reason="fp8 cases time the forward (inference) only")
 
 
 @register_impl("mok_graph", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,

@@ -187,7 +187,7 @@ def test_case_tables_are_well_formed() -> None:
 
 
 def test_fp8_tables_pair_each_shape_with_bf16_and_check_at_the_fp8_bound() -> None:
-    """fp8_1gpu / fp8_2gpu: forward-only layer cases, each shape at fp8 and bf16, on presets whose
+    """fp8_1gpu / fp8_2gpu: layer cases (forward and backward), each shape at fp8 and bf16, on presets whose
     hidden and intermediate sizes are whole 128-column blocks; fp8 rows are checked at 0.12, bf16
     rows at 0.02; a precision filter selects one of the two; an unknown precision is refused."""
     sys.path.insert(0, str(REPO))
@@ -198,7 +198,7 @@ def test_fp8_tables_pair_each_shape_with_bf16_and_check_at_the_fp8_bound() -> No
 
     for ranks in (1, 2):
         table = TABLES[f"fp8_{ranks}gpu"]
-        assert table and all(c.ranks == ranks and c.passes == ("forward",) and c.kind == "layer" for c in table)
+        assert table and all(c.ranks == ranks and c.passes == ("forward", "backward") and c.kind == "layer" for c in table)
         fp8 = {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "fp8"}
         assert fp8 == {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "bf16"}
         for c in table:
