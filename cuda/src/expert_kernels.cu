@@ -30,6 +30,7 @@ static_assert(sizeof(detail::PingPongSharedStorage<
               "shared storage exceeds 227 KiB");
 
 using host_util::bf;
+using host_util::bind_context;
 using host_util::check;
 using host_util::ceil_div;
 using host_util::device_sms;
@@ -164,9 +165,10 @@ std::string can_implement(const ExpertsBackwardArgs& a) {
 
 namespace {
 template <class Args>
-void require(const Args& a) {
+void require(const Args& a) {  // (every public entry point: its arguments, then this thread's context)
   const std::string why = can_implement(a);
   if (!why.empty()) throw std::invalid_argument("mok cuda experts: " + why);
+  bind_context();
 }
 }  // namespace
 

@@ -60,6 +60,7 @@ std::string can_implement(const ExpertsForwardFp8Args& a) {
 void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty())
     throw std::invalid_argument("mok cuda experts (fp8): " + why);
+  host_util::bind_context();
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
   if (R == 0) return;
   const int rows = int(R), h = int(H), i = int(I), experts = int(El);

@@ -18,6 +18,20 @@ inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mok cuda: ") + what + ": " + cudaGetErrorString(e));
 }
 
+// Binds the current device's primary context to the calling thread. Every public launcher calls
+// it before making TMA descriptors: CuTe makes them with the driver (cuTensorMapEncodeTiled),
+// which fails with CUDA_ERROR_INVALID_CONTEXT in a thread that has made no runtime call needing a
+// context yet, and then CuTe only prints the failure and the kernel runs on a garbage descriptor
+// (an illegal instruction). Such a thread is common: torch's autograd threads set the device
+// without binding a context when it is already the "current" one, and their allocations can come
+// from torch's cache, so a backward's first CUDA call can be ours (session 20: the shared
+// expert's backward in mok.moe at fp8, where the forward had run no bf16 expert kernel).
+inline void bind_context() {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaSetDevice(device), "bind the device's context to this thread");
+}
+
 // `requested` if positive, else the current device's SM count.
 inline int device_sms(int requested) {
   if (requested > 0) return requested;

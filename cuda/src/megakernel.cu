@@ -592,6 +592,7 @@ void launch_fp8_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaStrea
 
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
+  host_util::bind_context();
   refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_forward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);
@@ -765,6 +766,7 @@ std::string can_implement(const MoeBackwardArgs& a) {
 
 void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
+  host_util::bind_context();
   refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_backward");
   const RoutingShape& shape = a.shape;
   const int R = int(shape.ranks), me = int(a.rank);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mok/core/bf16.h"
@@ -395,6 +396,71 @@ TEST(ExpertKernelsArgs, BadOffsetsAreReportedNotComputed) {
   EXPECT_EQ(dstatus.download()[0], cuda::kStatusMisalignedOffsets);
   a.hidden = 60;
   EXPECT_NE(cuda::can_implement(a).find("hidden must be a positive multiple of 8"), std::string::npos);
+}
+
+// A thread whose first CUDA call is a launcher (torch's autograd threads, whose tensors came from
+// its allocator's cache, are such threads): no context is bound to it yet, and the launcher's TMA
+// descriptors, made with the driver, need one (session 20: an illegal instruction in mok.moe's fp8
+// backward). The launch from a fresh thread gives the main thread's bits.
+TEST(ExpertKernelsThreads, AThreadWhoseFirstCudaCallIsALauncherComputesTheSameBits) {
+  const int64_t H = 512, I = 256, El = 2, M = 256;
+  Rng rng(0x7e5d);
+  const auto x = random_bf16(rng, M * H, 1.0), wg = random_bf16(rng, El * I * H, 0.05),
+             wu = random_bf16(rng, El * I * H, 0.05), wd = random_bf16(rng, El * H * I, 0.06);
+  DeviceBuffer<uint16_t> dx(x.size()), dwg(wg.size()), dwu(wu.size()), dwd(wd.size()), dh(M * I), dy(M * H);
+  DeviceBuffer<int32_t> doff(El + 1), dstatus(1);
+  ASSERT_TRUE(dx.ptr && dwg.ptr && dwu.ptr && dwd.ptr && dh.ptr && dy.ptr && doff.ptr && dstatus.ptr);
+  dx.upload(to_bits(x));
+  dwg.upload(to_bits(wg));
+  dwu.upload(to_bits(wu));
+  dwd.upload(to_bits(wd));
+  doff.upload({0, 128, 256});
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  cuda::ExpertsForwardArgs a;
+  a.row_capacity = M;
+  a.hidden = H;
+  a.intermediate = I;
+  a.local_experts = El;
+  a.expert_offsets = doff.ptr;
+  a.x = dx.ptr;
+  a.w_gate = dwg.ptr;
+  a.w_up = dwu.ptr;
+  a.w_down = dwd.ptr;
+  a.h = dh.ptr;
+  a.y = dy.ptr;
+  a.status = dstatus.ptr;
+  cuda::experts_forward(a, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto want = dy.download();
+  dy.poison();
+  dh.poison();
+  CUDA_OK(cudaDeviceSynchronize());
+
+  // The driver's cuCtxGetCurrent, looked up here: the lookup is a runtime call, which in the
+  // thread below would bind the context itself.
+  using CtxGetCurrent = int (*)(void**);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  CUDA_OK(cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found));
+  ASSERT_TRUE(fn != nullptr && found == cudaDriverEntryPointSuccess);
+  void* context_before = &context_before;  // not null: the thread must overwrite it
+  std::string error;
+  std::thread launcher([&] {
+    reinterpret_cast<CtxGetCurrent>(fn)(&context_before);
+    try {
+      cuda::experts_forward(a, nullptr);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  launcher.join();
+  ASSERT_EQ(error, "");
+  CUDA_OK(cudaDeviceSynchronize());
+  // (What makes this test mean something: the launch came first in a thread with no context.)
+  std::printf("[ fresh thread ] context bound before the launch: %s\n", context_before ? "yes" : "no");
+  EXPECT_EQ(context_before, nullptr) << "the fresh thread had a context already: the test no longer covers the case";
+  EXPECT_EQ(dstatus.download()[0], 0);
+  EXPECT_EQ(first_bit_difference(dy.download(), want), -1) << "y from the fresh thread differs";
 }
 
 }  // namespace
