@@ -106,14 +106,18 @@ def _grad_dtype() -> torch.dtype:
 
 
 def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
-    """The handle's local buffers (rows kept for the backward, its scratch) and the weight
-    gradients, plus 25%; the symmetric buffer is allocated once for the run."""
+    """The handle's local buffers (rows kept for the backward, its scratch), the weight gradients
+    and at fp8 the quantized weights, plus 25%; the symmetric buffer is allocated once for the run."""
     p = problem
     T, H, I, k, R, El = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks, p.local_experts
     cap = R * T * k + El * 127
     rows = cap * (3 * 2 * H + 5 * 2 * I + 16)
     grads = 3 * El * I * H * _grad_dtype().itemsize
-    return int(1.25 * (rows + grads))
+    weights = 0
+    if p.case.precision == "fp8":  # per row the codes of x and h and the bf16 x rows pulled again; the e4m3 weights
+        rows += cap * (H + I + 2 * H)
+        weights = 3 * El * I * H
+    return int(1.25 * (rows + grads + weights))
 
 
 @register_impl("mok", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
