@@ -667,6 +667,31 @@ void expect_same_gradients(const Outputs& want, const Outputs& got, int ranks, c
   EXPECT_EQ(first_bit_difference(want.dwd, got.dwd), -1) << label << ": dW_down";
 }
 
+// y (within y_tolerance), then dx, d topk_w and the weight gradients (within bf16's tolerance) of a
+// run against the CPU reference's forward and backward; `label` starts each printed line.
+template <class Fwd, class Bwd>
+void expect_backward_near(const Outputs& a, const Fwd& fwd, const Bwd& ref, int ranks, double y_tolerance,
+                          const std::string& label) {
+  for (int r = 0; r < ranks; ++r) {
+    ASSERT_EQ(a.errors[r], "") << "rank " << r;
+    const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
+    const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
+    const Comparison dw = compare(a.d_topk_w[r], ref.d_topk_w[r]);
+    EXPECT_TRUE(y.within(y_tolerance)) << y.describe("y rank " + std::to_string(r));
+    EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe("dx rank " + std::to_string(r));
+    EXPECT_TRUE(dw.within(kBf16RelTolerance)) << dw.describe("d topk_w rank " + std::to_string(r));
+    std::printf("[ %s ] rank %d rel error y %.2e dx %.2e d_topk_w %.2e\n", label.c_str(), r, y.rel_error,
+                dx.rel_error, dw.rel_error);
+  }
+  for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
+                                        std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
+                                        std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
+    const Comparison cmp = compare(*got, *want);
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(name);
+    std::printf("[ %s ] rel error %s %.2e\n", label.c_str(), name, cmp.rel_error);
+  }
+}
+
 // Segments ending at most 64 rows into their last 128-row block (balanced routing at 160 rows per
 // expert: every expert's last block; uniform routing: some): both passes' second warpgroup skips
 // those blocks' MMA (reduce_padding_half). y, g|u and the backward's outputs are the same bits as
@@ -718,24 +743,7 @@ TEST_P(MegakernelFp8, BackwardMatchesTheOracleAndIsBitwiseStable) {
   cfg.backward = true;
   cfg.dy = &dy;
   const Outputs a = run_forward(in, cfg, 3);
-  for (int r = 0; r < c.desc.ranks; ++r) {
-    ASSERT_EQ(a.errors[r], "") << "rank " << r;
-    const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
-    const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
-    const Comparison dw = compare(a.d_topk_w[r], ref.d_topk_w[r]);
-    EXPECT_TRUE(y.within(kFp8LayerTolerance)) << y.describe("y rank " + std::to_string(r));
-    EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe("dx rank " + std::to_string(r));
-    EXPECT_TRUE(dw.within(kBf16RelTolerance)) << dw.describe("d topk_w rank " + std::to_string(r));
-    std::printf("[ %s fp8 backward ] rank %d rel error y %.2e dx %.2e d_topk_w %.2e\n", c.name, r, y.rel_error,
-                dx.rel_error, dw.rel_error);
-  }
-  for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
-                                        std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
-                                        std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
-    const Comparison cmp = compare(*got, *want);
-    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(name);
-    std::printf("[ %s fp8 backward ] rel error %s %.2e\n", c.name, name, cmp.rel_error);
-  }
+  expect_backward_near(a, fwd, ref, int(c.desc.ranks), kFp8LayerTolerance, std::string(c.name) + " fp8 backward");
   expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
   RunConfig stages = cfg;
   stages.stage_backward = true;
@@ -758,24 +766,7 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   cfg.backward = true;
   cfg.dy = &dy;
   const Outputs a = run_forward(in, cfg, 3);
-  for (int r = 0; r < c.desc.ranks; ++r) {
-    ASSERT_EQ(a.errors[r], "") << "rank " << r;
-    const Comparison y = compare(from_bits(a.y[r]), fwd.y[r]);
-    const Comparison dx = compare(from_bits(a.dx[r]), ref.dx[r]);
-    const Comparison dw = compare(a.d_topk_w[r], ref.d_topk_w[r]);
-    EXPECT_TRUE(y.within(kBf16RelTolerance)) << y.describe("y rank " + std::to_string(r));
-    EXPECT_TRUE(dx.within(kBf16RelTolerance)) << dx.describe("dx rank " + std::to_string(r));
-    EXPECT_TRUE(dw.within(kBf16RelTolerance)) << dw.describe("d topk_w rank " + std::to_string(r));
-    std::printf("[ %s backward ] rank %d rel error y %.2e dx %.2e d_topk_w %.2e\n", c.name, r, y.rel_error,
-                dx.rel_error, dw.rel_error);
-  }
-  for (const auto& [name, got, want] : {std::tuple{"dW_gate", &a.dwg, &ref.d_routed.gate},
-                                        std::tuple{"dW_up", &a.dwu, &ref.d_routed.up},
-                                        std::tuple{"dW_down", &a.dwd, &ref.d_routed.down}}) {
-    const Comparison cmp = compare(*got, *want);
-    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(name);
-    std::printf("[ %s backward ] rel error %s %.2e\n", c.name, name, cmp.rel_error);
-  }
+  expect_backward_near(a, fwd, ref, int(c.desc.ranks), kBf16RelTolerance, std::string(c.name) + " backward");
   // A fresh set of buffers, one run: the same bits.
   expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
   // The stage kernels, the backward megakernel with other minibatches (one in the static task

@@ -171,30 +171,22 @@ def _bf16(w: Tensor) -> Tensor:
     return w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
 
 
-def _run_forward_fp8(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
-                     w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
-    """One fused fp8 forward (the call quantizes x; the weights come from the per-version cache).
-    With a context it keeps h and g|u for the backward."""
-    ws.x.copy_(x)
-    ws.topk_idx.copy_(topk_idx)
-    ws.topk_w.copy_(topk_w)
-    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y,
-                     y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
-    return y
-
-
 def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
-    """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel. With a
-    context it also keeps the rows, h and g|u its backward needs (the g|u save costs time); without
-    one it keeps nothing."""
+    """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel (at fp8
+    the call quantizes x, and the weights come from the per-version cache). With a context it also
+    keeps what its backward needs (the rows, h and g|u; at fp8 h and g|u; the g|u save costs
+    time); without one it keeps nothing."""
     ws.x.copy_(x)
     ws.topk_idx.copy_(topk_idx)
     ws.topk_w.copy_(topk_w)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y,
-                 y_shared=None if y_shared is None else y_shared.contiguous(), context=context)
+    y_shared = None if y_shared is None else y_shared.contiguous()
+    if ws.fused.fp8:
+        ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y, y_shared=y_shared,
+                         context=context)
+    else:
+        ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y, y_shared=y_shared, context=context)
     return y
 
 
@@ -225,10 +217,7 @@ class _FusedMoe(torch.autograd.Function):
             rows, y_shared = forward(x, s_gate, s_up, s_down, swiglu_limit)
             assert rows is not None
             kept = rows
-        if fp8:
-            y = _run_forward_fp8(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
-        else:
-            y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
+        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
         # x only where the backward reads it: the replay and the fp8 backward pull it again, the
         # shared expert's rows hold it.
@@ -433,5 +422,5 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
             if s_gate is not None and s_up is not None and s_down is not None:
                 shared_forward = _shared_expert_fp8 if fp8 else _shared_expert_forward
                 y_shared = shared_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False)[1]
-            return (_run_forward_fp8 if fp8 else _run_forward)(ws, *args, y_shared, None)
+            return _run_forward(ws, *args, y_shared, None)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)
