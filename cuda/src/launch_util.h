@@ -25,8 +25,20 @@ inline void check(cudaError_t e, const char* what) {
 // (an illegal instruction). Such a thread is common: torch's autograd threads set the device
 // without binding a context when it is already the "current" one, and their allocations can come
 // from torch's cache, so a backward's first CUDA call can be ours (session 20: the shared
-// expert's backward in mok.moe at fp8, where the forward had run no bf16 expert kernel).
+// expert's backward in mok.moe at fp8, where the forward had run no bf16 expert kernel). A thread
+// with a context of its own (a caller's cuCtxCreate, say) keeps it.
 inline void bind_context() {
+  using CtxGetCurrent = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*), through the runtime
+  static const CtxGetCurrent get_current = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const bool ok =
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<CtxGetCurrent>(fn) : nullptr;
+  }();
+  void* context = nullptr;
+  if (get_current != nullptr && get_current(&context) == 0 && context != nullptr) return;
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaSetDevice(device), "bind the device's context to this thread");

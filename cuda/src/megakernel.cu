@@ -287,6 +287,10 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
       fp8_(fp8) {
   if (hidden <= 0 || intermediate <= 0 || minibatch_rows <= 0 || ring_rows <= 0)
     throw std::invalid_argument("mok FusedBuffers: hidden, intermediate, minibatch_rows and ring_rows must be > 0");
+  if (fp8 && keep_rows && ring_rows < routed_row_capacity(shape))
+    throw std::invalid_argument("mok FusedBuffers: fp8 with keep_rows keeps every row in the ring: ring_rows " +
+                                std::to_string(ring_rows) + " is below the row capacity " +
+                                std::to_string(routed_row_capacity(shape)));
   if (fp8 && (hidden % 128 != 0 || intermediate % 128 != 0))
     throw std::invalid_argument("mok FusedBuffers: fp8 needs hidden and intermediate multiples of 128, got " +
                                 std::to_string(hidden) + " and " + std::to_string(intermediate));
@@ -324,7 +328,6 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
     o_.ring_h_codes = take(ring_rows * I);
     o_.ring_h_scales = take(I / 128 * ring_rows * 4);
     o_.pair_counters = take(ceil_div(cap, int64_t{GemmConfig::kBlockM}) * (I / 128) * 4);
-    if (keep_rows) o_.x_rows = take(cap * H * 2);  // the backward's bf16 x rows (the ring holds codes)
   }
   bytes_ = std::max<int64_t>(end, 256);
   check(cudaGetDevice(&device_), "cudaGetDevice");
@@ -384,7 +387,7 @@ void FusedBuffers::wire(MoeBackwardArgs& b) const {
   b.minibatch_rows = minibatch_rows_;
   b.counters = static_cast<uint32_t*>(at(o_.counters));
   if (ring_rows_ >= capacity_) {  // every row kept at its schedule position
-    b.x_rows = fp8_ ? at(o_.x_rows) : ring_x();  // (fp8: pulled again in bf16 by the backward)
+    b.x_rows = ring_x();  // (fp8: the forward's codes are dead by then; the backward pulls bf16 rows into it)
     b.h = ring_h();
   }
   b.fp8_forward = fp8_;

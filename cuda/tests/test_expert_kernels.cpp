@@ -441,7 +441,7 @@ TEST(ExpertKernelsThreads, AThreadWhoseFirstCudaCallIsALauncherComputesTheSameBi
   using CtxGetCurrent = int (*)(void**);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  CUDA_OK(cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found));
+  CUDA_OK(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found));
   ASSERT_TRUE(fn != nullptr && found == cudaDriverEntryPointSuccess);
   void* context_before = &context_before;  // not null: the thread must overwrite it
   std::string error;

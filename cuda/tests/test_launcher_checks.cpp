@@ -67,7 +67,8 @@ TEST(MegakernelChecks, CallsOfTwoToThe30TilesAreRefusedByName) {
 
 // The fp8 forward (MoeForwardArgs::fp8): whole 128-column scale blocks, its buffers, and twice the
 // bf16 forward's tiles per row block in the tile limit, each refused by name; FusedBuffers refuses
-// partial blocks before allocating anything; its backward (fp8_forward) does not replay.
+// partial blocks, and with keep_rows a ring below the row capacity, before allocating anything;
+// its backward (fp8_forward) does not replay.
 TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
   MoeForwardArgs a;
   a.fp8 = true;
@@ -106,6 +107,15 @@ TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
     ADD_FAILURE() << "fp8 with intermediate 192 was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fp8 needs hidden and intermediate multiples of 128"), std::string::npos)
+        << e.what();
+  }
+  try {  // a training fp8 forward keeps every row in its ring
+    FusedBuffers b(shape, 256, 256, 128, 128, /*keep_rows=*/true, /*fp8=*/true);
+    ADD_FAILURE() << "fp8 with keep_rows and a one-minibatch ring was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8 with keep_rows keeps every row in the ring: ring_rows 128 is below the "
+                                         "row capacity"),
+              std::string::npos)
         << e.what();
   }
 }

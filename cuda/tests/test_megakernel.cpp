@@ -49,7 +49,7 @@ struct RunConfig {
   int rank1_graph_runs = -1;  // with graph: rank 1 launches its graphs only on runs 1..this (-1: all)
   bool claim_tasks = true;          // both passes' claim_tasks (false: the static order c + j CTAs)
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
-  bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; forward only)
+  bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; its backward: fp8_forward)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };

@@ -60,17 +60,31 @@ class _Key:
     plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows,
     #                                         fused_backward)
     fp8: bool = False  # the block-scaled fp8 forward (its backward: bf16, on the fp8 forward's h and g|u)
+    # The handle keeps rows for backwards. Always at bf16 (one workspace serves training and
+    # no_grad calls); at fp8 only for training calls, whose ring holds every row (the row
+    # capacity in e4m3, h, the scales): no_grad fp8 calls get a workspace of their own in the
+    # planner's ring, without the backward's scratch.
+    keep_rows: bool = True
 
     def shapes(self) -> tuple[object, ...]:
         return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device,
-                self.fp8)
+                self.fp8, self.keep_rows)
+
+
+def _keeps_rows(fp8: bool, needs_grad: bool) -> bool:
+    return needs_grad or not fp8
+
+
+def needs_grad(*tensors: object) -> bool:
+    """Whether a call on these inputs records autograd (grad mode on and any input requires grad)."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
 def _key(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-         plan: dict[str, int] | None, fp8: bool = False) -> _Key:
+         plan: dict[str, int] | None, fp8: bool = False, keep_rows: bool = True) -> _Key:
     El, I, H = w_gate.shape
     return _Key(group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size, topk, swiglu_limit,
-                x.device.index or 0, tuple(sorted((plan or {}).items())), fp8)
+                x.device.index or 0, tuple(sorted((plan or {}).items())), fp8, keep_rows)
 
 
 class _Workspace:
@@ -85,7 +99,7 @@ class _Workspace:
             "topk": k, "swiglu_limit": key.swiglu_limit, "MoeConfig comm_sms": plan.get("comm_sms"),
             "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows"),
             "MoeConfig fused_backward": plan.get("fused_backward"),
-            "MoeConfig precision": "fp8" if key.fp8 else "bf16"})
+            "MoeConfig precision": "fp8" if key.fp8 else "bf16", "training (keeps rows)": key.keep_rows})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -107,7 +121,7 @@ class _Workspace:
             torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
-                                          keep_rows=True, fp8=key.fp8, **dict(key.plan))
+                                          keep_rows=key.keep_rows, fp8=key.fp8, **dict(key.plan))
         self.x = self._view("x", torch.bfloat16, (T, H))
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
@@ -131,8 +145,8 @@ def _refuse_in_capture(what: str) -> None:
 
 
 def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-              plan: dict[str, int] | None = None, fp8: bool = False) -> _Workspace:
-    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan, fp8)
+              plan: dict[str, int] | None = None, fp8: bool = False, training: bool = True) -> _Workspace:
+    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan, fp8, _keeps_rows(fp8, training))
     ws = _WORKSPACES.get(key)
     if ws is None:
         _refuse_in_capture("the workspace")
@@ -141,12 +155,14 @@ def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limi
     return ws
 
 
-def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object, fp8: bool = False) -> bool:
+def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object, fp8: bool = False,
+                  training: bool = True) -> bool:
     """Whether a call of these shapes on this group has made its workspace here already (so the
     peers are past that workspace's agreement), as far as the inputs tell: True when they do not
     (an input without a shape)."""
     try:
-        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None, fp8).shapes()  # type: ignore[arg-type,attr-defined]
+        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None, fp8,  # type: ignore[arg-type,attr-defined]
+                      _keeps_rows(fp8, training)).shapes()
     except (AttributeError, IndexError, TypeError, ValueError):
         return True
     return any(k.shapes() == shapes for k in _WORKSPACES)
@@ -241,7 +257,8 @@ class _FusedMoe(torch.autograd.Function):
             raise RuntimeError(
                 "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
                 "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
-                "only x and the schedule and replays the rows in every backward")
+                "only x and the schedule and replays the rows in every backward"
+                + (" (bf16 only: at fp8, run the forward again)" if ws.fused.fp8 else ""))
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         dy = dy.contiguous()
@@ -402,22 +419,26 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    training = needs_grad(*leaves)
     fp8 = precision == "fp8"
-    if fp8 and needs_grad and not save_context:
+    if fp8 and training and not save_context:
         raise NotImplementedError("mok: precision='fp8' keeps its context (its backward runs on the fp8 forward's "
                                   "own g|u and h; the fp8 replay is not built): save_context=False is for bf16")
+    if fp8 and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("mok: precision='fp8' cannot be captured in a CUDA graph yet: its weights are "
+                                  "quantized once per weight version, outside any graph, so a replay after an "
+                                  "optimizer step would run on stale codes. Capture with precision='bf16'")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
         y = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
-        if not needs_grad:
+        if not training:
             return y
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
-        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, fp8)
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, fp8, training)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
-        if not needs_grad:
+        if not training:
             y_shared = None
             if s_gate is not None and s_up is not None and s_down is not None:
                 shared_forward = _shared_expert_fp8 if fp8 else _shared_expert_forward

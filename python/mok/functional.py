@@ -74,7 +74,9 @@ class MoeConfig:
     pulls half the bytes). fp8 runs on the GPU, with hidden and intermediate multiples of 128; the
     weights are quantized once per weight version. Its backward is the bf16 one on the fp8
     forward's own g|u and h with the bf16 weights (the quantization passes gradients straight
-    through), so it keeps its context: save_context=False is refused at fp8.
+    through), so it keeps its context: save_context=False is refused at fp8, and a training call's
+    ring holds every row (ring_rows then changes nothing; no_grad calls run in the planned ring).
+    fp8 calls cannot be captured in a CUDA graph yet.
     """
 
     comm_sms: int | None = None  # SMs that only move data (None/0: 3 warps of every CTA pull the rows)
@@ -511,7 +513,9 @@ def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up:
         return _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks)
 
     precision = _precision(config) if isinstance(config, MoeConfig) else "bf16"
-    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w, precision == "fp8") or x.shape[0] == 0:
+    training = _cuda_layer.needs_grad(x, topk_w, w_gate, w_up, w_down,
+                                      *(shared if isinstance(shared, (tuple, list)) else ()))
+    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w, precision == "fp8", training) or x.shape[0] == 0:
         # The peers are past this workspace's agreement and go straight into the fused call: this
         # rank raises alone, and they raise at its start barrier, naming this rank. A report to
         # them would wait in a collective they never enter. (With no tokens nobody makes a

@@ -100,7 +100,7 @@ struct MoeForwardArgs {
   // (ring_x then holds codes [ring_rows, H]), runs gate|up and down as experts_forward_fp8 does
   // and pushes bf16 rows as the bf16 forward. hidden and intermediate must be multiples of 128.
   // The same bits as gather + experts_forward_fp8 + scatter + combine; g|u and ring_h (bf16 h) as
-  // that forward saves them. Forward only: the backward of an fp8 forward is not built yet.
+  // that forward saves them. Its backward: MoeBackwardArgs::fp8_forward.
   bool fp8 = false;
   const float* w_gate_scales = nullptr;  // [El, I / 128, H / 128]
   const float* w_up_scales = nullptr;    // [El, I / 128, H / 128]
@@ -202,9 +202,9 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 class FusedBuffers {
  public:
   // fp8: the fp8 forward's buffers too (MoeForwardArgs::fp8; hidden and intermediate multiples of
-  // 128), and wire() sets fp8; with keep_rows also the bf16 x rows its backward pulls again
-  // (MoeBackwardArgs::fp8_forward, which wire() sets). A training forward keeps every row: its
-  // ring holds them all (ring_rows >= the row capacity).
+  // 128), and wire() sets fp8; with keep_rows it keeps every row (ring_rows >= the row capacity,
+  // else it throws), and its backward (MoeBackwardArgs::fp8_forward, which wire() sets) pulls
+  // the bf16 x rows again into ring_x, whose codes are dead by then (ring_x is bf16-sized).
   FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
                int64_t ring_rows, bool keep_rows, bool fp8 = false);
   ~FusedBuffers();
@@ -240,7 +240,6 @@ class FusedBuffers {
     int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status, epoch;
     int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
     int64_t ring_x_scales, ring_h_codes, ring_h_scales, pair_counters;                        // fp8
-    int64_t x_rows;                                                                           // fp8, keep_rows
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }
   RoutingShape shape_;
