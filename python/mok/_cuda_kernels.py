@@ -167,16 +167,23 @@ def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tenso
     return codes, scales
 
 
-def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weights(w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled e4m3 of each plane of w [planes, rows, cols] bf16 (an expert's matrix a plane):
     (codes float8_e4m3fn, scales f32 [planes, ceil(rows / 128), ceil(cols / 128)]), one power-of-two
-    scale per 128 x 128 block."""
+    scale per 128 x 128 block; into ``out`` (codes, scales) when given, which it returns."""
     if w.dim() != 3:
         raise ValueError(f"w must be [planes, rows, cols], got shape {tuple(w.shape)}")
     planes, rows, cols = w.shape
     _check_tensors((("w", w, (planes, rows, cols), torch.bfloat16),))
-    codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty((planes, math.ceil(rows / 128), math.ceil(cols / 128)), dtype=torch.float32, device=w.device)
+    scale_shape = (planes, math.ceil(rows / 128), math.ceil(cols / 128))
+    if out is None:
+        codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+    else:
+        codes, scales = out
+        _check_tensors((("codes", codes, (planes, rows, cols), torch.float8_e4m3fn),
+                        ("scales", scales, scale_shape, torch.float32)), w.device)
     error = ctypes.create_string_buffer(512)
     with torch.cuda.device(w.device):
         rc = _lib().mok_cuda_quantize_blocks_e4m3(_ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales),

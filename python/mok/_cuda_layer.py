@@ -175,6 +175,7 @@ def clear() -> None:
     _WORKSPACES.clear()
     _SHARED_ROWS.clear()
     _FP8_WEIGHTS.clear()
+    _FP8_IN_GRAPHS.clear()
 
 
 def check() -> None:
@@ -368,19 +369,43 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
 # dtype, version), (codes, scales)). The entry goes when the weight does. (Keyed by id: a
 # WeakKeyDictionary compares tensors with ==, which is elementwise.)
 _FP8_WEIGHTS: dict[int, tuple[weakref.ref, tuple[object, ...], tuple[Tensor, Tensor]]] = {}
+# Weights whose codes a CUDA graph requantizes on every replay: id -> the buffers the graphs
+# write, held while the weight lives (a graph keeps raw addresses). A replay can change a weight
+# without a version bump (an optimizer step in the graph), so an eager call never trusts them.
+_FP8_IN_GRAPHS: dict[int, tuple[Tensor, Tensor]] = {}
 
 
 def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as block-scaled e4m3
-    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached."""
+    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached per version.
+    Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
+    warm-up call), so every replay quantizes the weight's values at that time."""
     stamp = (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
     cached = _FP8_WEIGHTS.get(id(w))
-    if cached is not None and cached[0]() is w and cached[1] == stamp:
+    same_tensor = cached is not None and cached[0]() is w and cached[1][:3] == stamp[:3]
+
+    def planes() -> Tensor:  # (a conversion only where a quantization runs)
+        return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
+
+    if torch.cuda.is_current_stream_capturing():
+        if cached is None or not same_tensor:
+            raise RuntimeError("mok: precision='fp8' quantizes each weight into buffers made by its first call, "
+                               "which cannot run inside a CUDA graph capture: make one call with these weights "
+                               "before capturing")
+        _FP8_IN_GRAPHS[id(w)] = cached[2]
+        return kernels.quantize_weights(planes(), out=cached[2])
+    if id(w) in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached
+        return kernels.quantize_weights(planes())
+    if same_tensor and cached is not None and cached[1] == stamp:
         return cached[2]
-    planes = w if w.dim() == 3 else w.unsqueeze(0)
-    q = kernels.quantize_weights(_bf16(planes).contiguous())
+    q = kernels.quantize_weights(planes())
     key = id(w)
-    _FP8_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _FP8_WEIGHTS.pop(key, None)), stamp, q)
+
+    def forget(_: object, key: int = key) -> None:
+        _FP8_WEIGHTS.pop(key, None)
+        _FP8_IN_GRAPHS.pop(key, None)
+
+    _FP8_WEIGHTS[key] = (weakref.ref(w, forget), stamp, q)
     return q
 
 
@@ -424,10 +449,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     if fp8 and training and not save_context:
         raise NotImplementedError("mok: precision='fp8' keeps its context (its backward runs on the fp8 forward's "
                                   "own g|u and h; the fp8 replay is not built): save_context=False is for bf16")
-    if fp8 and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError("mok: precision='fp8' cannot be captured in a CUDA graph yet: its weights are "
-                                  "quantized once per weight version, outside any graph, so a replay after an "
-                                  "optimizer step would run on stale codes. Capture with precision='bf16'")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
