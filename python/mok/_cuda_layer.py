@@ -223,7 +223,8 @@ class _FusedMoe(torch.autograd.Function):
                 s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
                 ws: _Workspace, save_context: bool) -> Tensor:
         # save_context=False: keep x and the schedule only; the backward replays the rows (less
-        # memory between the passes, a faster forward, the same bits). (fp8: moe() refuses it.)
+        # memory between the passes, a faster forward, the same bits; at fp8 the replay quantizes the
+        # pulled rows and reruns the fp8 gate|up).
         fp8 = ws.fused.fp8
         context = ws.fused.new_context(x.device, replay=not save_context)
         shared = s_gate is not None and s_up is not None and s_down is not None
@@ -258,8 +259,7 @@ class _FusedMoe(torch.autograd.Function):
             raise RuntimeError(
                 "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
                 "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
-                "only x and the schedule and replays the rows in every backward"
-                + (" (bf16 only: at fp8, run the forward again)" if ws.fused.fp8 else ""))
+                "only x and the schedule and replays the rows in every backward")
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         dy = dy.contiguous()
@@ -282,9 +282,10 @@ class _FusedMoe(torch.autograd.Function):
         d_gate = torch.empty(El, I, H, dtype=grad, device=device)
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
+        fp8_gate_up = (_fp8_weight(w_gate), _fp8_weight(w_up)) if ws.fused.fp8 and replay else None
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
-                          dx_shared=dx_shared)
+                          dx_shared=dx_shared, fp8_gate_up=fp8_gate_up)
         if not replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
@@ -446,9 +447,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     training = needs_grad(*leaves)
     fp8 = precision == "fp8"
-    if fp8 and training and not save_context:
-        raise NotImplementedError("mok: precision='fp8' keeps its context (its backward runs on the fp8 forward's "
-                                  "own g|u and h; the fp8 replay is not built): save_context=False is for bf16")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
