@@ -340,7 +340,7 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 //
 // fp8: the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8). With keep_rows its
 // ring is the row capacity (whole minibatches: every row's e4m3 codes stay where its backward's
-// schedule puts them), and the handle owns the bf16 x rows that backward pulls again.
+// schedule puts them), and its backward pulls the bf16 x rows again into that ring.
 //
 // keep_rows: the handle also owns the backward's scratch, and forwards may keep their context
 // (schedule, every x row, h and g|u) in caller-owned buffers that the matching backward reads
@@ -442,8 +442,8 @@ void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>
 // them (a replay context: the forward runs in the handle's ring and its backward replays the
 // rows into buffers of those sizes that it is given). All null: the forward keeps nothing.
 // An fp8 handle's kept context is h and gu without x_rows (null): its backward pulls the bf16 x
-// rows again into the handle's own buffer (megakernel.h: MoeBackwardArgs::fp8_forward); its
-// replay context is the schedule, and the backward is given h and gu to fill.
+// rows again into the handle's ring (megakernel.h: MoeBackwardArgs::fp8_forward); its replay
+// context is the schedule, and the backward is given h and gu to fill.
 struct Context {
   void *x_rows, *h, *gu, *offsets, *src_rank, *src_slot;
 };
@@ -532,7 +532,7 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
 // written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
 // (megakernel.h: MoeBackwardArgs::replay). On an fp8 handle the context is the fp8 forward's h and
 // gu, or with replay the scratch for them (ctx_x_rows null either way): every rank has written its
-// x again, and the call pulls the bf16 x rows into the handle's buffer (MoeBackwardArgs::
+// x again, and the call pulls the bf16 x rows into the handle's ring (MoeBackwardArgs::
 // fp8_forward); a replay quantizes them and reruns the fp8 gate|up with w_gate_codes / w_up_codes
 // and their scales (as mok_cuda_forward_run_fp8 took them; null otherwise). dx_shared (optional) is added in the dx sum, after
 // dx_shared_ready (optional, a cudaEvent_t recorded after it on another stream).
@@ -564,7 +564,7 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.d_w_up = d_w_up;
     b.d_w_down = d_w_down;
     b.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
-    if (!h->fp8) b.x_rows = c.x_rows;  // (fp8: the handle's, wired with fp8_forward)
+    if (!h->fp8) b.x_rows = c.x_rows;  // (fp8: the handle's ring_x, wired with fp8_forward)
     b.h = c.h;
     b.gu = c.gu;
     b.expert_offsets = static_cast<const int32_t*>(c.offsets);
