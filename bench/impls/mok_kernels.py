@@ -175,7 +175,6 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     if fp8 and shared_mode == "torch":
         raise Skip("MOK_BENCH_SHARED=torch: the shared expert in torch is bf16 (the fp8 row runs it in fp8)")
     shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
-    shared_forward = _cuda_layer._shared_expert_fp8 if fp8 else _cuda_layer._shared_expert_forward
 
     def forward() -> tuple[torch.Tensor, Any]:
         x_in.copy_(p.x.detach())
@@ -186,7 +185,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
             if shared_mode == "torch":
                 saved, y_shared = _torch_shared_forward(p.x.detach(), *shared_w, p.swiglu_limit)
             else:
-                saved, y_shared = shared_forward(p.x.detach(), *shared_w, p.swiglu_limit, keep=with_backward)
+                saved, y_shared = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit,
+                                                                     keep=with_backward, fp8=fp8)
         if fp8:
             fused.run_fp8(bases, *weights_fp8, y, y_shared=y_shared, context=context)
         else:

@@ -467,6 +467,26 @@ Kept context_kind(const ForwardHandle& h, const Context& c) {
     throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
   return rows ? Kept::rows : schedule ? Kept::schedule : Kept::nothing;
 }
+
+// Points a forward call at what it keeps in c (checked by context_kind): the schedule, and with
+// rows h and g|u at every row's schedule position (bf16: the context's x rows and h are the ring;
+// fp8: the handle's ring is the row capacity already and holds the codes).
+void keep_context(const ForwardHandle& h, const Context& c, mok::cuda::MoeForwardArgs& a) {
+  const Kept kept = context_kind(h, c);
+  if (kept == Kept::rows) {
+    if (!h.fp8) {
+      a.ring_x = c.x_rows;
+      a.ring_rows = h.context_rows;
+    }
+    a.ring_h = c.h;
+    a.gu = c.gu;
+  }
+  if (kept != Kept::nothing) {
+    a.expert_offsets = static_cast<int32_t*>(c.offsets);
+    a.src_rank = static_cast<int32_t*>(c.src_rank);
+    a.src_slot = static_cast<int32_t*>(c.src_slot);
+  }
+}
 }  // namespace
 
 int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
@@ -478,18 +498,7 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
     mok::cuda::MoeForwardArgs a = forward_call(*h, bases, table, w_gate, w_up, w_down, y_shared, y_shared_ready, y);
-    const Kept kept = context_kind(*h, c);
-    if (kept == Kept::rows) {  // every row keeps its own ring row: the ring is the saved context
-      a.ring_x = c.x_rows;
-      a.ring_h = c.h;
-      a.ring_rows = h->context_rows;
-      a.gu = c.gu;
-    }
-    if (kept != Kept::nothing) {
-      a.expert_offsets = static_cast<int32_t*>(c.offsets);
-      a.src_rank = static_cast<int32_t*>(c.src_rank);
-      a.src_slot = static_cast<int32_t*>(c.src_slot);
-    }
+    keep_context(*h, c, a);
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
   });
 }
@@ -512,16 +521,7 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
     a.w_gate_scales = static_cast<const float*>(w_gate_scales);
     a.w_up_scales = static_cast<const float*>(w_up_scales);
     a.w_down_scales = static_cast<const float*>(w_down_scales);
-    const Kept kept = context_kind(*h, c);
-    if (kept == Kept::rows) {  // the handle's ring is the row capacity: h and g|u land in place
-      a.ring_h = c.h;
-      a.gu = c.gu;
-    }
-    if (kept != Kept::nothing) {
-      a.expert_offsets = static_cast<int32_t*>(c.offsets);
-      a.src_rank = static_cast<int32_t*>(c.src_rank);
-      a.src_slot = static_cast<int32_t*>(c.src_slot);
-    }
+    keep_context(*h, c, a);
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
   });
 }

@@ -231,8 +231,7 @@ class _FusedMoe(torch.autograd.Function):
         y_shared = None
         kept: tuple[Tensor | None, ...] = (None, None, None)
         if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            forward = _shared_expert_fp8 if fp8 else _shared_expert_forward
-            rows, y_shared = forward(x, s_gate, s_up, s_down, swiglu_limit)
+            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8=fp8)
             assert rows is not None
             kept = rows
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
@@ -325,19 +324,28 @@ def _shared_weights(s_gate: Tensor, s_up: Tensor, s_down: Tensor) -> tuple[Tenso
 
 
 def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
-                           keep: bool = True) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
+                           keep: bool = True, fp8: bool = False) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
     """The shared expert on MoK's expert kernels (one expert, every token a row; gate|up with the
-    fused SwiGLU, then down): (x rows, g|u, h) kept for the backward when ``keep``, and y_shared."""
+    fused SwiGLU, then down; with ``fp8`` on block-scaled e4m3, experts_forward_fp8, as the routed
+    experts of an fp8 call): (x rows in bf16, g|u, h) kept for _shared_expert_backward when
+    ``keep``, and y_shared."""
     T, H = x.shape
     offsets, weight = _shared_rows(T, x.device)
     rows = weight.shape[0]  # T rounded up to the row alignment, as _shared_rows made them
-    wg, wu, wd = _shared_weights(s_gate, s_up, s_down)
-    Is = wg.shape[1]
+    Is = s_gate.shape[0]
     x_rows = _padded(x.to(torch.bfloat16), rows)
     h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
     gu = torch.empty(rows, 2 * Is, dtype=torch.bfloat16, device=x.device) if keep else None
-    kernels.experts_forward(x_rows, offsets, wg, wu, wd, h=h, y=y, gu=gu, swiglu_limit=swiglu_limit)
+    if fp8:
+        h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
+                   torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
+        weights = [_fp8_weight(w) for w in (s_gate, s_up, s_down)]
+        kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, *weights, h=h, y=y, h_codes=h_codes, gu=gu,
+                                    swiglu_limit=swiglu_limit)
+    else:
+        kernels.experts_forward(x_rows, offsets, *_shared_weights(s_gate, s_up, s_down), h=h, y=y, gu=gu,
+                                swiglu_limit=swiglu_limit)
     return ((x_rows, gu, h) if gu is not None else None), y[:T]
 
 
@@ -410,27 +418,6 @@ def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return q
 
 
-def _shared_expert_fp8(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
-                       keep: bool = True) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
-    """The replicated shared expert in block-scaled fp8 (experts_forward_fp8, one expert whose rows
-    are all the tokens), as the routed experts of an fp8 call: (x rows in bf16, g|u, h) for
-    _shared_expert_backward when ``keep``, and y_shared."""
-    T, H = x.shape
-    offsets, weight = _shared_rows(T, x.device)
-    rows = weight.shape[0]
-    wg, wu, wd = (_fp8_weight(w) for w in (s_gate, s_up, s_down))
-    Is = wg[0].shape[1]
-    x_rows = _padded(x.to(torch.bfloat16), rows)
-    h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
-    gu = torch.empty(rows, 2 * Is, dtype=torch.bfloat16, device=x.device) if keep else None
-    h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
-               torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
-    kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, wg, wu, wd, h=h, y=y, h_codes=h_codes, gu=gu,
-                                swiglu_limit=swiglu_limit)
-    return ((x_rows, gu, h) if gu is not None else None), y[:T]
-
-
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
         group_name: str, save_context: bool = True, plan: dict[str, int] | None = None,
@@ -460,7 +447,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         if not training:
             y_shared = None
             if s_gate is not None and s_up is not None and s_down is not None:
-                shared_forward = _shared_expert_fp8 if fp8 else _shared_expert_forward
-                y_shared = shared_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False)[1]
+                _, y_shared = _shared_expert_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False,
+                                                     fp8=fp8)
             return _run_forward(ws, *args, y_shared, None)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)
