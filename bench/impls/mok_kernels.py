@@ -145,8 +145,6 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
     plan = _plan_overrides()
     replay = bool(plan.pop("replay", 0))
-    if fp8 and replay:
-        raise Skip("MOK_BENCH_PLAN replay=1: an fp8 forward has no replay (its backward needs its own h and g|u)")
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
                                  num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward,
                                  fp8=fp8, **plan)
@@ -230,7 +228,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         dy_in.copy_(p.d_y)
         w_in.copy_(p.topk_w.detach())
         fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
-                       d_w_down=d_w[2], context=context, dx_shared=dx_shared, dx_shared_ready=ready)
+                       d_w_down=d_w[2], context=context, dx_shared=dx_shared, dx_shared_ready=ready,
+                       fp8_gate_up=(weights_fp8[0], weights_fp8[1]) if fp8 and replay else None)
         if not serial_shared and saved is not None:
             main.wait_stream(side)
         calls[0] += 1

@@ -442,8 +442,8 @@ void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>
 // them (a replay context: the forward runs in the handle's ring and its backward replays the
 // rows into buffers of those sizes that it is given). All null: the forward keeps nothing.
 // An fp8 handle's kept context is h and gu without x_rows (null): its backward pulls the bf16 x
-// rows again into the handle's ring (megakernel.h: MoeBackwardArgs::fp8_forward); an fp8
-// forward has no replay context.
+// rows again into the handle's ring (megakernel.h: MoeBackwardArgs::fp8_forward); its replay
+// context is the schedule, and the backward is given h and gu to fill.
 struct Context {
   void *x_rows, *h, *gu, *offsets, *src_rank, *src_slot;
 };
@@ -465,8 +465,6 @@ Kept context_kind(const ForwardHandle& h, const Context& c) {
                                         "or none");
   if (schedule && !h.keeps_rows)
     throw std::invalid_argument("this handle was created without keep_rows: it keeps no context");
-  if (h.fp8 && schedule && !rows)
-    throw std::invalid_argument("an fp8 forward keeps its rows' h and g|u or nothing: its replay is not built");
   return rows ? Kept::rows : schedule ? Kept::schedule : Kept::nothing;
 }
 
@@ -533,19 +531,21 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
 // overwritten. replay = 1: the forward kept only its schedule (a replay context), every rank has
 // written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
 // (megakernel.h: MoeBackwardArgs::replay). On an fp8 handle the context is the fp8 forward's h and
-// gu (ctx_x_rows null, replay 0): every rank has written its x again, and the call pulls the bf16
-// x rows into the handle's ring (MoeBackwardArgs::fp8_forward). dx_shared (optional) is added in the dx sum, after
+// gu, or with replay the scratch for them (ctx_x_rows null either way): every rank has written its
+// x again, and the call pulls the bf16 x rows into the handle's ring (MoeBackwardArgs::
+// fp8_forward); a replay quantizes them and reruns the fp8 gate|up with w_gate_codes / w_up_codes
+// and their scales (as mok_cuda_forward_run_fp8 took them; null otherwise). dx_shared (optional) is added in the dx sum, after
 // dx_shared_ready (optional, a cudaEvent_t recorded after it on another stream).
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx_shared_ready, void* dx, void* d_topk_w, void* d_w_gate,
                           void* d_w_up, void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
-                          void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error,
-                          int error_len) {
+                          void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, const void* w_gate_codes,
+                          const void* w_gate_scales, const void* w_up_codes, const void* w_up_scales, void* stream,
+                          char* error, int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
-    if (h->fp8 && replay) throw std::invalid_argument("an fp8 forward has no replay backward (its context keeps h and g|u)");
     if (context_kind(*h, c) != Kept::rows)
       throw std::invalid_argument(replay ? "a replay backward needs its forward's schedule and buffers for the rows"
                                          : "the backward needs the context its forward kept");
@@ -571,6 +571,10 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.src_rank = static_cast<const int32_t*>(c.src_rank);
     b.src_slot = static_cast<const int32_t*>(c.src_slot);
     b.replay = replay != 0;
+    b.w_gate_codes = w_gate_codes;
+    b.w_gate_scales = static_cast<const float*>(w_gate_scales);
+    b.w_up_codes = w_up_codes;
+    b.w_up_scales = static_cast<const float*>(w_up_scales);
     run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
   });
 }

@@ -39,7 +39,7 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
 
 }  // namespace
 
-std::string can_implement(const ExpertsForwardFp8Args& a) {
+std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
   std::ostringstream why;
   const int64_t H = a.hidden, I = a.intermediate, El = a.local_experts, R = a.row_capacity;
   if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
@@ -50,19 +50,21 @@ std::string can_implement(const ExpertsForwardFp8Args& a) {
   if (R < 0 || R > (int64_t{1} << 30) || R % 4 != 0)
     why << "row_capacity must be a multiple of 4 (16-byte rows of scales) in [0, 2^30], got " << R << "; ";
   if (a.expert_offsets == nullptr) why << "expert_offsets is null; ";
-  if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.w_down ||
-      !a.w_down_scales || !a.h || !a.h_codes || !a.h_scales || !a.y)
+  if (gate_up_only) {
+    if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.h)
+      why << "x, w_gate, w_up (each with its scales) and h must not be null; ";
+  } else if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.w_down ||
+             !a.w_down_scales || !a.h || !a.h_codes || !a.h_scales || !a.y) {
     why << "x, w_gate, w_up, w_down (each with its scales), h, h_codes, h_scales and y must not be null; ";
+  }
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   return host_util::trimmed(why.str());
 }
 
-void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
-  if (const std::string why = can_implement(a); !why.empty())
-    throw std::invalid_argument("mok cuda experts (fp8): " + why);
-  host_util::bind_context();
+namespace {
+// The gate|up GEMM of experts_forward_fp8 (checked arguments, rows > 0).
+void gate_up_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
   const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
-  if (R == 0) return;
   const int rows = int(R), h = int(H), i = int(I), experts = int(El);
   // gate|up: tiles of 64 gate and 64 up columns; h in 64-column chunks, g|u into gu's two halves.
   const bool save = a.gu != nullptr;
@@ -89,6 +91,26 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
                                     a.expert_offsets,
                                     a.status};
   launch<true>(gate_up, a.num_sms, stream);
+}
+
+void require(const ExpertsForwardFp8Args& a, bool gate_up_only) {
+  if (const std::string why = can_implement(a, gate_up_only); !why.empty())
+    throw std::invalid_argument("mok cuda experts (fp8): " + why);
+  host_util::bind_context();
+}
+}  // namespace
+
+void experts_gate_up_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
+  require(a, true);
+  if (a.row_capacity > 0) gate_up_fp8(a, stream);
+}
+
+void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
+  require(a, false);
+  const int64_t R = a.row_capacity, H = a.hidden, I = a.intermediate, El = a.local_experts;
+  if (R == 0) return;
+  const int rows = int(R), h = int(H), i = int(I), experts = int(El);
+  gate_up_fp8(a, stream);
   // h as rows of 1 x 128 blocks, only the experts' rows (offsets[El] read on the device).
   quantize_rows_e4m3_k_major(a.h, R, I, a.h_codes, a.h_scales, a.expert_offsets + El, stream);
   const Fp8ScaledGemmParams down =

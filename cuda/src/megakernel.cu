@@ -99,7 +99,8 @@ int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] i
 // counts are each rank's own business and not part of it.
 // The passes a call word names: every kind of call two ranks could be making at one epoch.
 enum CallPass : int {
-  kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4, kFp8BackwardCall = 5
+  kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4, kFp8BackwardCall = 5,
+  kFp8ReplayBackwardCall = 6
 };
 
 unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t intermediate,
@@ -287,10 +288,6 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
       fp8_(fp8) {
   if (hidden <= 0 || intermediate <= 0 || minibatch_rows <= 0 || ring_rows <= 0)
     throw std::invalid_argument("mok FusedBuffers: hidden, intermediate, minibatch_rows and ring_rows must be > 0");
-  if (fp8 && keep_rows && ring_rows < routed_row_capacity(shape))
-    throw std::invalid_argument("mok FusedBuffers: fp8 with keep_rows keeps every row in the ring: ring_rows " +
-                                std::to_string(ring_rows) + " is below the row capacity " +
-                                std::to_string(routed_row_capacity(shape)));
   if (fp8 && (hidden % 128 != 0 || intermediate % 128 != 0))
     throw std::invalid_argument("mok FusedBuffers: fp8 needs hidden and intermediate multiples of 128, got " +
                                 std::to_string(hidden) + " and " + std::to_string(intermediate));
@@ -749,8 +746,10 @@ std::string can_implement(const MoeBackwardArgs& a) {
             : a.fp8_forward ? "x_rows (scratch), h and gu (the fp8 forward's kept rows) must be set; "
                             : "x_rows, h and gu (the forward's kept rows) must be set: the backward needs a forward "
                               "that kept them, or replay; ");
-  if (a.replay && a.fp8_forward)
-    why << "replay and fp8_forward exclude each other (an fp8 forward keeps its rows; its backward pulls only x); ";
+  if (a.replay && a.fp8_forward && (!a.w_gate_codes || !a.w_gate_scales || !a.w_up_codes || !a.w_up_scales))
+    why << "an fp8 replay needs the forward's gate|up weights (w_gate_codes, w_up_codes and their scales); ";
+  if (a.replay && a.fp8_forward && (a.hidden % 128 != 0 || a.intermediate % 128 != 0))
+    why << "an fp8 replay needs hidden and intermediate multiples of 128; ";
   if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
@@ -827,6 +826,27 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   f.y = a.dx_rows;  // checked as set; gate_up_swiglu does not write y
   f.swiglu_limit = a.swiglu_limit;
   f.status = a.experts_status;
+  // fp8 replay: the pulled rows quantized into the dy rows' scratch (codes [cap, H], then their
+  // k-major scales; dy is pulled only after), then the fp8 gate|up into h and gu.
+  uint8_t* const replay_codes = static_cast<uint8_t*>(a.dy_rows);
+  float* const replay_scales = reinterpret_cast<float*>(replay_codes + cap * H);
+  ExpertsForwardFp8Args q;
+  q.row_capacity = cap;
+  q.hidden = H;
+  q.intermediate = I;
+  q.local_experts = El;
+  q.expert_offsets = a.expert_offsets;
+  q.x = replay_codes;
+  q.x_scales = replay_scales;
+  q.w_gate = static_cast<const uint8_t*>(a.w_gate_codes);
+  q.w_gate_scales = a.w_gate_scales;
+  q.w_up = static_cast<const uint8_t*>(a.w_up_codes);
+  q.w_up_scales = a.w_up_scales;
+  q.gu = a.gu;
+  q.h = a.h;
+  q.swiglu_limit = a.swiglu_limit;
+  q.status = a.experts_status;
+  const bool fp8_replay = a.replay && a.fp8_forward;
   ExpertsBackwardArgs e;  // the expert backward on this rank's rows
   e.row_capacity = cap;
   e.hidden = H;
@@ -872,7 +892,8 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.dx = a.dx;
   for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg), pulls_x ? can_implement(gx) : "",
-                                 a.replay ? can_implement(f) : "",
+                                 a.replay && !fp8_replay ? can_implement(f) : "",
+                                 fp8_replay ? can_implement(q, /*gate_up_only=*/true) : "",
                                  links ? can_implement_links(shape, view, a.token_links) : "",
                                  event_problem(a.dx_shared_ready, "dx_shared_ready")})
     if (!why.empty()) throw std::invalid_argument("mok moe_backward: " + why);
@@ -897,12 +918,21 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(shape, H, I, a.swiglu_limit,
-                    a.replay ? kReplayBackwardCall : a.fp8_forward ? kFp8BackwardCall : kBackwardCall));
+                    fp8_replay  ? kFp8ReplayBackwardCall
+                    : a.replay  ? kReplayBackwardCall
+                    : a.fp8_forward ? kFp8BackwardCall
+                                    : kBackwardCall));
   if (pulls_x) {
-    // 1b. Replay and fp8_forward: every rank's x rows by the schedule; replay: then h and g|u from them
-    //     (an fp8 forward kept its own).
+    // 1b. Replay and fp8_forward: every rank's x rows by the schedule; replay: then h and g|u from
+    //     them (an fp8 replay quantizes the rows first, as the forward's pull carried them; a kept
+    //     fp8 forward kept its own h and g|u).
     gather_rows(gx, stream);
-    if (a.replay) gate_up_swiglu(f, stream);
+    if (fp8_replay) {
+      quantize_rows_e4m3_k_major(a.x_rows, cap, H, replay_codes, replay_scales, a.expert_offsets + El, stream);
+      experts_gate_up_fp8(q, stream);
+    } else if (a.replay) {
+      gate_up_swiglu(f, stream);
+    }
   }
   if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
     // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the

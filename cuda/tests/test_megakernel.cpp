@@ -306,6 +306,12 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         b.replay = true;
         b.x_rows = rk.replay_x->ptr;
         b.h = rk.replay_h->ptr;
+        if (cfg.fp8) {  // the fp8 gate|up runs again on the pulled rows
+          b.w_gate_codes = rk.wg8->ptr;
+          b.w_gate_scales = rk.wg_scales->ptr;
+          b.w_up_codes = rk.wu8->ptr;
+          b.w_up_scales = rk.wu_scales->ptr;
+        }
       }
       b.d_w_gate = rk.dwg->ptr;
       b.d_w_up = rk.dwu->ptr;
@@ -751,6 +757,22 @@ TEST_P(MegakernelFp8, BackwardMatchesTheOracleAndIsBitwiseStable) {
   RunConfig other = cfg;
   other.minibatch_rows = 256;
   expect_same_gradients(a, run_forward(in, other, 1), c.desc.ranks, "minibatch 256");
+  // The forward keeping only its schedule (a ring of two minibatches) and the backward replaying
+  // the rows (pulled, quantized, the fp8 gate|up again): the same g|u and gradients, with the
+  // backward megakernel and with the stage kernels.
+  for (const bool stage : {false, true}) {
+    RunConfig replay = cfg;
+    replay.replay = true;
+    replay.stage_backward = stage;
+    const Outputs o = run_forward(in, replay, 1);
+    const std::string how = stage ? "fp8 replay, stage kernels" : "fp8 replay";
+    for (int r = 0; r < c.desc.ranks; ++r) {
+      ASSERT_EQ(o.errors[r], "") << how << " rank " << r;
+      EXPECT_EQ(first_bit_difference(a.y[r], o.y[r]), -1) << how << ": y rank " << r;
+      EXPECT_EQ(first_bit_difference(a.gu[r], o.gu[r]), -1) << how << ": replayed g|u rank " << r;
+    }
+    expect_same_gradients(a, o, c.desc.ranks, how);
+  }
 }
 
 class MegakernelBackward : public ::testing::TestWithParam<Case> {};

@@ -56,10 +56,10 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
-    # handle, bases, then 10 tensors and events, d_w_bf16, replay, 6 context buffers and the stream, then the
-    # error buffer.
+    # handle, bases, then 10 tensors and events, d_w_bf16, replay, 6 context buffers, the fp8 replay's
+    # 4 gate|up weight buffers (codes, scales) and the stream, then the error buffer.
     lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 10 + [
-        ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 11 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
@@ -167,16 +167,23 @@ def quantize_rows(x: torch.Tensor, *, k_major: bool = True) -> tuple[torch.Tenso
     return codes, scales
 
 
-def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weights(w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled e4m3 of each plane of w [planes, rows, cols] bf16 (an expert's matrix a plane):
     (codes float8_e4m3fn, scales f32 [planes, ceil(rows / 128), ceil(cols / 128)]), one power-of-two
-    scale per 128 x 128 block."""
+    scale per 128 x 128 block; into ``out`` (codes, scales) when given, which it returns."""
     if w.dim() != 3:
         raise ValueError(f"w must be [planes, rows, cols], got shape {tuple(w.shape)}")
     planes, rows, cols = w.shape
     _check_tensors((("w", w, (planes, rows, cols), torch.bfloat16),))
-    codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty((planes, math.ceil(rows / 128), math.ceil(cols / 128)), dtype=torch.float32, device=w.device)
+    scale_shape = (planes, math.ceil(rows / 128), math.ceil(cols / 128))
+    if out is None:
+        codes = torch.empty((planes, rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+    else:
+        codes, scales = out
+        _check_tensors((("codes", codes, (planes, rows, cols), torch.float8_e4m3fn),
+                        ("scales", scales, scale_shape, torch.float32)), w.device)
     error = ctypes.create_string_buffer(512)
     with torch.cuda.device(w.device):
         rc = _lib().mok_cuda_quantize_blocks_e4m3(_ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales),
@@ -187,14 +194,17 @@ def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fp8_weight_specs(w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
-                      w_down: tuple[torch.Tensor, torch.Tensor], El: int, H: int, I: int) -> list[tuple]:
-    """The _check_tensors specs of three weights as :func:`quantize_weights` gives them: codes
-    [El, I, H] (W_gate, W_up) and [El, H, I] (W_down) float8_e4m3fn, with their 128 x 128 block scales."""
+                      w_down: tuple[torch.Tensor, torch.Tensor] | None, El: int, H: int, I: int) -> list[tuple]:
+    """The _check_tensors specs of the weights as :func:`quantize_weights` gives them: codes
+    [El, I, H] (W_gate, W_up) and [El, H, I] (W_down, when given) float8_e4m3fn, with their 128 x 128
+    block scales."""
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     gate_up_scales, down_scales = (El, math.ceil(I / 128), math.ceil(H / 128)), (El, math.ceil(H / 128), math.ceil(I / 128))
-    return [("w_gate codes", w_gate[0], (El, I, H), e4m3), ("w_gate scales", w_gate[1], gate_up_scales, f32),
-            ("w_up codes", w_up[0], (El, I, H), e4m3), ("w_up scales", w_up[1], gate_up_scales, f32),
-            ("w_down codes", w_down[0], (El, H, I), e4m3), ("w_down scales", w_down[1], down_scales, f32)]
+    specs = [("w_gate codes", w_gate[0], (El, I, H), e4m3), ("w_gate scales", w_gate[1], gate_up_scales, f32),
+             ("w_up codes", w_up[0], (El, I, H), e4m3), ("w_up scales", w_up[1], gate_up_scales, f32)]
+    if w_down is not None:
+        specs += [("w_down codes", w_down[0], (El, H, I), e4m3), ("w_down scales", w_down[1], down_scales, f32)]
+    return specs
 
 
 def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor,
@@ -399,11 +409,9 @@ class FusedForward:
             raise ValueError(f"tensors are on {device}, but this FusedForward was made on {self.device}")
 
     def new_context(self, device: torch.device, *, replay: bool = False) -> Context:
-        """A context for one training forward: every row kept, or (``replay``, bf16 only) only the schedule."""
+        """A context for one training forward: every row kept, or (``replay``) only the schedule."""
         if not self.keep_rows:
             raise ValueError("this FusedForward was made without keep_rows: it keeps no context")
-        if replay and self.fp8:
-            raise ValueError("an fp8 forward has no replay context: its backward needs the forward's own h and g|u")
         return Context(self, device, rows=not replay)
 
     def row_buffers(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -467,11 +475,14 @@ class FusedForward:
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
                  d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None,
-                 dx_shared_ready: torch.cuda.Event | None = None) -> None:
+                 dx_shared_ready: torch.cuda.Event | None = None,
+                 fp8_gate_up: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
         topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
         are then pulled and gate|up run again, into buffers that live for this call only; or an
-        fp8 one: the bf16 rows are pulled again, w_* are the bf16 weights). Weight
+        fp8 one: the bf16 rows are pulled again, w_* are the bf16 weights, and a replay reruns the
+        fp8 gate|up with ``fp8_gate_up`` = (W_gate, W_up) as :meth:`run_fp8` took them). Weight
         gradients are fp32, or bf16 when d_w_* are (the kernels write them, half the bytes).
         dx_shared is added in the fp32 dx sum (one rounding); dx_shared_ready: an event recorded
         after it on another stream, which only that sum waits for. Asynchronous."""
@@ -495,11 +506,20 @@ class FusedForward:
         # to torch's cache (stream-ordered, like any temporary).
         replayed = self.row_buffers(dx.device) if context.replay else ()
         if replayed:
-            ctx[:3] = [t.data_ptr() for t in replayed]
+            ctx[:3] = [None if t is None else t.data_ptr() for t in replayed]
+        gate_up = [None] * 4
+        if self.fp8 and context.replay:
+            if fp8_gate_up is None:
+                raise ValueError("an fp8 replay reruns the fp8 gate|up: give fp8_gate_up (W_gate and W_up as run_fp8 "
+                                 "took them)")
+            (wgq, wgs), (wuq, wus) = fp8_gate_up
+            El, I, H = self.local_experts, self.intermediate, self.hidden
+            _check_tensors(tuple(_fp8_weight_specs(fp8_gate_up[0], fp8_gate_up[1], None, El, H, I)), device=dx.device)
+            gate_up = [wgq.data_ptr(), wgs.data_ptr(), wuq.data_ptr(), wus.data_ptr()]
         rc = _lib().mok_cuda_backward_run(
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _event(dx_shared_ready),
             _ptr(dx), _ptr(d_topk_w),
-            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(context.replay), *ctx,
+            _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(context.replay), *ctx, *gate_up,
             torch.cuda.current_stream().cuda_stream, error, len(error))
         del replayed
         _raise(rc, error)

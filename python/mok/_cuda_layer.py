@@ -175,6 +175,7 @@ def clear() -> None:
     _WORKSPACES.clear()
     _SHARED_ROWS.clear()
     _FP8_WEIGHTS.clear()
+    _FP8_IN_GRAPHS.clear()
 
 
 def check() -> None:
@@ -222,7 +223,8 @@ class _FusedMoe(torch.autograd.Function):
                 s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
                 ws: _Workspace, save_context: bool) -> Tensor:
         # save_context=False: keep x and the schedule only; the backward replays the rows (less
-        # memory between the passes, a faster forward, the same bits). (fp8: moe() refuses it.)
+        # memory between the passes, a faster forward, the same bits; at fp8 the replay quantizes the
+        # pulled rows and reruns the fp8 gate|up).
         fp8 = ws.fused.fp8
         context = ws.fused.new_context(x.device, replay=not save_context)
         shared = s_gate is not None and s_up is not None and s_down is not None
@@ -256,8 +258,7 @@ class _FusedMoe(torch.autograd.Function):
             raise RuntimeError(
                 "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
                 "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
-                "only x and the schedule and replays the rows in every backward"
-                + (" (bf16 only: at fp8, run the forward again)" if ws.fused.fp8 else ""))
+                "only x and the schedule and replays the rows in every backward")
         if dy is None:  # still run: the other ranks' backward needs this rank's part
             dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
         dy = dy.contiguous()
@@ -280,9 +281,10 @@ class _FusedMoe(torch.autograd.Function):
         d_gate = torch.empty(El, I, H, dtype=grad, device=device)
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
+        fp8_gate_up = (_fp8_weight(w_gate), _fp8_weight(w_up)) if ws.fused.fp8 and replay else None
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
-                          dx_shared=dx_shared)
+                          dx_shared=dx_shared, fp8_gate_up=fp8_gate_up)
         if not replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
@@ -376,19 +378,43 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
 # dtype, version), (codes, scales)). The entry goes when the weight does. (Keyed by id: a
 # WeakKeyDictionary compares tensors with ==, which is elementwise.)
 _FP8_WEIGHTS: dict[int, tuple[weakref.ref, tuple[object, ...], tuple[Tensor, Tensor]]] = {}
+# Weights whose codes a CUDA graph requantizes on every replay: id -> the buffers the graphs
+# write, held while the weight lives (a graph keeps raw addresses). A replay can change a weight
+# without a version bump (an optimizer step in the graph), so an eager call never trusts them.
+_FP8_IN_GRAPHS: dict[int, tuple[Tensor, Tensor]] = {}
 
 
 def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as block-scaled e4m3
-    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached."""
+    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached per version.
+    Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
+    warm-up call), so every replay quantizes the weight's values at that time."""
     stamp = (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
     cached = _FP8_WEIGHTS.get(id(w))
-    if cached is not None and cached[0]() is w and cached[1] == stamp:
+    same_tensor = cached is not None and cached[0]() is w and cached[1][:3] == stamp[:3]
+
+    def planes() -> Tensor:  # (a conversion only where a quantization runs)
+        return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
+
+    if torch.cuda.is_current_stream_capturing():
+        if cached is None or not same_tensor:
+            raise RuntimeError("mok: precision='fp8' quantizes each weight into buffers made by its first call, "
+                               "which cannot run inside a CUDA graph capture: make one call with these weights "
+                               "before capturing")
+        _FP8_IN_GRAPHS[id(w)] = cached[2]
+        return kernels.quantize_weights(planes(), out=cached[2])
+    if id(w) in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached
+        return kernels.quantize_weights(planes())
+    if same_tensor and cached is not None and cached[1] == stamp:
         return cached[2]
-    planes = w if w.dim() == 3 else w.unsqueeze(0)
-    q = kernels.quantize_weights(_bf16(planes).contiguous())
+    q = kernels.quantize_weights(planes())
     key = id(w)
-    _FP8_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _FP8_WEIGHTS.pop(key, None)), stamp, q)
+
+    def forget(_: object, key: int = key) -> None:
+        _FP8_WEIGHTS.pop(key, None)
+        _FP8_IN_GRAPHS.pop(key, None)
+
+    _FP8_WEIGHTS[key] = (weakref.ref(w, forget), stamp, q)
     return q
 
 
@@ -408,13 +434,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     training = needs_grad(*leaves)
     fp8 = precision == "fp8"
-    if fp8 and training and not save_context:
-        raise NotImplementedError("mok: precision='fp8' keeps its context (its backward runs on the fp8 forward's "
-                                  "own g|u and h; the fp8 replay is not built): save_context=False is for bf16")
-    if fp8 and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError("mok: precision='fp8' cannot be captured in a CUDA graph yet: its weights are "
-                                  "quantized once per weight version, outside any graph, so a replay after an "
-                                  "optimizer step would run on stale codes. Capture with precision='bf16'")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.

@@ -74,9 +74,10 @@ class MoeConfig:
     pulls half the bytes). fp8 runs on the GPU, with hidden and intermediate multiples of 128; the
     weights are quantized once per weight version. Its backward is the bf16 one on the fp8
     forward's own g|u and h with the bf16 weights (the quantization passes gradients straight
-    through), so it keeps its context: save_context=False is refused at fp8, and a training call's
+    through); with save_context=False the backward pulls the rows again, quantizes them and reruns
+    the fp8 gate|up (the same bits as a kept context). A training call's
     ring holds every row (ring_rows then changes nothing; no_grad calls run in the planned ring).
-    fp8 calls cannot be captured in a CUDA graph yet.
+    In a CUDA graph, the weights' quantization is captured too (after the warm-up call).
     """
 
     comm_sms: int | None = None  # SMs that only move data (None/0: 3 warps of every CTA pull the rows)

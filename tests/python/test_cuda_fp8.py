@@ -143,10 +143,9 @@ def test_fp8_layer_matches_torch_on_the_dequantized_operands(limit: float | None
     assert 0.01 < testing.relative_error(y.float(), bf16.float()) < 0.15  # e4m3's 3 mantissa bits
 
 
-def test_fp8_layer_requantizes_a_changed_weight_and_refuses_the_replay() -> None:
+def test_fp8_layer_requantizes_a_changed_weight() -> None:
     """The fp8 weights are cached per weight version: doubling w_down in place (exact in e4m3 with
-    power-of-two scales) doubles y exactly. A training call with save_context=False (the replay,
-    not built for fp8) is refused by name."""
+    power-of-two scales) doubles y exactly."""
     import mok
 
     p = testing.random_problem(200, 4, 256, 128, 2, seed=12, device="cuda")
@@ -156,9 +155,6 @@ def test_fp8_layer_requantizes_a_changed_weight_and_refuses_the_replay() -> None
         p.w_down.mul_(2)
         doubled = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
     assert torch.equal(doubled, y * 2)
-    x = p.x.clone().requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="save_context=False is for bf16"):
-        mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg, save_context=False)
 
 
 def _through(value: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
@@ -202,13 +198,13 @@ def _fp8_training_reference(p: testing.MoeProblem, dy: torch.Tensor) -> list[tor
     return [y.detach()] + [t.grad for t in leaves + shared]  # type: ignore[misc]
 
 
-def _train(p: testing.MoeProblem, dy: torch.Tensor, cfg: object) -> list[torch.Tensor]:
+def _train(p: testing.MoeProblem, dy: torch.Tensor, cfg: object, save_context: bool = True) -> list[torch.Tensor]:
     import mok
 
     leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
     shared = [t.detach().clone().requires_grad_(True) for t in p.shared] if p.shared is not None else []
     y = mok.moe(leaves[0], p.topk_idx, leaves[1], *leaves[2:], shared or None, swiglu_limit=p.swiglu_limit,
-                config=cfg)
+                config=cfg, save_context=save_context)
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves + shared]  # type: ignore[misc]
 
@@ -218,8 +214,8 @@ def test_fp8_training_matches_the_straight_through_reference_bit_for_bit_on_a_re
         shared_intermediate: int, limit: float | None, routing: str) -> None:
     """mok.moe(config=MoeConfig(precision="fp8")) with autograd: the fp8 forward keeps its h and
     g|u, the backward pulls the bf16 rows again and runs the bf16 backward. y and every gradient
-    against the straight-through reference in fp32; a rerun gives the same bits; the training
-    forward's y is the no_grad forward's."""
+    against the straight-through reference in fp32; a rerun and save_context=False (the replay)
+    give the same bits; the training forward's y is the no_grad forward's."""
     import mok
     from mok import _cuda_layer
 
@@ -229,6 +225,7 @@ def test_fp8_training_matches_the_straight_through_reference_bit_for_bit_on_a_re
     cfg = mok.MoeConfig(precision="fp8")
     first = _train(p, dy, cfg)
     again = _train(p, dy, cfg)
+    replayed = _train(p, dy, cfg, save_context=False)  # the rows pulled again, the fp8 gate|up rerun
     with torch.no_grad():
         inference = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared, swiglu_limit=limit,
                             config=cfg)
@@ -241,28 +238,50 @@ def test_fp8_training_matches_the_straight_through_reference_bit_for_bit_on_a_re
         err = testing.relative_error(got.float(), want)
         print(f"fp8 training {name}: rel error {err:.2e} against the straight-through reference")
         assert err < 2e-2, f"{name}: rel error {err}"
-    for name, a, b in zip(names, first, again):
+    for name, a, b, c in zip(names, first, again, replayed):
         assert torch.equal(a, b), f"{name} differs between two runs"
+        assert torch.equal(a, c), f"{name} differs with save_context=False (the fp8 replay)"
     assert torch.equal(first[0], inference), "the training forward's y differs from the no_grad forward's"
     # Training and no_grad calls at fp8 have workspaces of their own (the training one's ring holds
     # every row; the no_grad one keeps no rows and no backward scratch).
     assert {(k.fp8, k.keep_rows) for k in _cuda_layer._WORKSPACES if k.tokens == 300} >= {(True, True), (True, False)}
 
 
-def test_fp8_is_refused_inside_a_cuda_graph_capture() -> None:
-    """fp8's weights are quantized once per weight version outside any graph: a captured call
-    would replay stale codes after an optimizer step, so a capture is refused by name, after the
-    warm-up call too."""
+def test_a_cuda_graph_of_an_fp8_training_step_requantizes_the_weights_on_every_replay() -> None:
+    """fp8's weight codes are cached per weight version, but a graph cannot see versions: inside a
+    capture the quantization is captured into the cached buffers, so a replay after an in-place
+    weight update (an optimizer step) runs on the updated weights. Each replay's y and gradients
+    equal an eager step's bit for bit (the eager step then quantizes afresh: a graph owns those
+    buffers), and the update shows in y."""
     import mok
 
-    p = testing.random_problem(128, 4, 256, 128, 2, seed=19, device="cuda")
+    p = testing.random_problem(128, 4, 256, 128, 2, shared_intermediate=128, seed=19, device="cuda")
     cfg = mok.MoeConfig(precision="fp8")
-    args = (p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down)
-    with torch.no_grad():
-        mok.moe(*args, config=cfg)  # the warm-up
-        with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph yet"):
-            with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                mok.moe(*args, config=cfg)
+    dy = torch.randn(128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(8)).to(torch.bfloat16)
+    x, w, wg, wu, wd = (t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down))
+    shared = tuple(t.detach().clone().requires_grad_(True) for t in p.shared)
+    leaves = [x, w, wg, wu, wd, *shared]
+
+    def step() -> list[torch.Tensor]:
+        y = mok.moe(x, p.topk_idx, w, wg, wu, wd, shared, config=cfg)
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, dy))
+
+    graph, captured = testing.capture_after_warm_up(step)
+    before = step()
+    for update in range(2):
+        with torch.no_grad():
+            wd.mul_(2)  # exact in e4m3 with power-of-two scales
+            wg.add_(0.01 * (update + 1))
+        for out in captured:
+            out.fill_(float("nan"))
+        graph.replay()
+        eager = step()
+        from mok import _cuda_layer
+
+        _cuda_layer.check()
+        for i, (got, want) in enumerate(zip(captured, eager)):
+            assert torch.equal(got, want), f"output {i} of replay {update} differs from an eager step"
+        assert not torch.equal(captured[0], before[0]), "the replay ran on the old weights"
 
 
 def test_fp8_training_matches_the_cpp_oracle_on_one_rank() -> None:

@@ -68,10 +68,14 @@ struct ExpertsForwardFp8Args {
   int num_sms = 0;                     // 0 = all of the device's
 };
 
-// Why the fp8 kernels cannot run these arguments, or an empty string when they can.
-std::string can_implement(const ExpertsForwardFp8Args& args);
+// Why the fp8 kernels cannot run these arguments, or an empty string when they can. gate_up_only:
+// for experts_gate_up_fp8, which reads neither w_down nor h_codes, h_scales and y.
+std::string can_implement(const ExpertsForwardFp8Args& args, bool gate_up_only = false);
 // Asynchronous on stream; throws std::invalid_argument naming what can_implement reports. Rows
 // at or past offsets[El] of h, h_codes, gu and y are not touched.
 void experts_forward_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream);
+// Its first GEMM alone: g|u (when gu is set) and h, the same bits as experts_forward_fp8 writes
+// them (the fp8 forward's replay: MoeBackwardArgs::replay with fp8_forward).
+void experts_gate_up_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream);
 
 }  // namespace mok::cuda

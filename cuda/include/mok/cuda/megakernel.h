@@ -155,8 +155,16 @@ struct MoeBackwardArgs {
   // codes, its ring_h every row's bf16 h, and it saved g|u): h and gu are that forward's, and
   // x_rows (scratch) is pulled again in bf16 from every rank's x, which every rank has written
   // into its symmetric buffer again. Then the bf16 backward on them, as ref::layer_backward defines
-  // the fp8 layer's (the quantization passes gradients straight through). Not with replay.
+  // the fp8 layer's (the quantization passes gradients straight through).
+  // With replay too (an fp8 forward that kept only its schedule): the pulled rows are quantized
+  // (1 x 128, into the dy_rows scratch, free until the backward pulls dy) and the fp8 gate|up
+  // runs again on them (experts_gate_up_fp8, with the forward's weights below) into h and gu:
+  // the same bits as the forward's, as the bf16 replay's.
   bool fp8_forward = false;
+  const void* w_gate_codes = nullptr;   // fp8_forward with replay: W_gate in e4m3 [El, I, H]
+  const float* w_gate_scales = nullptr;  // and its 128 x 128 scales [El, I / 128, H / 128]
+  const void* w_up_codes = nullptr;     // W_up in e4m3 [El, I, H]
+  const float* w_up_scales = nullptr;    // [El, I / 128, H / 128]
   // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
   void* dy_rows = nullptr;         // [cap, H] bf16
   float* row_weight = nullptr;     // [cap]
@@ -202,9 +210,9 @@ int64_t megakernel_counter_words(int64_t row_capacity, int64_t minibatch_rows);
 class FusedBuffers {
  public:
   // fp8: the fp8 forward's buffers too (MoeForwardArgs::fp8; hidden and intermediate multiples of
-  // 128), and wire() sets fp8; with keep_rows it keeps every row (ring_rows >= the row capacity,
-  // else it throws), and its backward (MoeBackwardArgs::fp8_forward, which wire() sets) pulls
-  // the bf16 x rows again into ring_x, whose codes are dead by then (ring_x is bf16-sized).
+  // 128), and wire() sets fp8; with keep_rows its backward (MoeBackwardArgs::fp8_forward, which
+  // wire() sets) pulls the bf16 x rows again: into ring_x when the ring holds every row (its codes
+  // are dead by then; ring_x is bf16-sized), else into the replay's scratch.
   FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t intermediate, int64_t minibatch_rows,
                int64_t ring_rows, bool keep_rows, bool fp8 = false);
   ~FusedBuffers();
