@@ -167,6 +167,28 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   const float t_bwd = time_ms([&] { mok::cuda::experts_backward(b, nullptr); }, 10);
   std::printf("    backward (dgrad + wgrad, %s weight gradients) %7.3f ms %6.1f TF/s\n", dw_bf16 ? "bf16" : "fp32",
               t_bwd, 12.0 * M * H * I / t_bwd / 1e9);
+  // Its two halves apart, and the weight gradients' ceiling: cuBLAS's strided-batched GEMM of the
+  // same three products (one GEMM per expert over its seg rows, K = seg: the short-K shape of
+  // many local experts), written in the same type. Column-major views of the row-major buffers:
+  // dW_gate[e] (I x H row-major) = dg^T x is, column-major, H x I = x^T dg.
+  const float t_dgrad = time_ms([&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
+  const float t_wgrad = time_ms([&] { mok::cuda::experts_wgrad(b, nullptr); }, 10);
+  const cudaDataType out_type = dw_bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  auto batched = [&](const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t m, int64_t n) {
+    // C[e] (m x n column-major) = A[e] (m x seg, ld lda) * B[e]^T (n x seg, ld ldb)^T
+    cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(m), int(n), int(seg), &one, A, CUDA_R_16BF, int(lda),
+                               seg * lda, B, CUDA_R_16BF, int(ldb), seg * ldb, &zero, C, out_type, int(m), m * n,
+                               int(El), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  const float c_wgrad = time_ms([&] {
+    batched(x, H, dgu, 2 * I, dWg, H, I);
+    batched(x, H, static_cast<uint16_t*>(dgu) + I, 2 * I, dWu, H, I);
+    batched(hw, I, y, H, dWd, I, H);
+  }, 10);
+  std::printf("    dgrad %7.3f ms %6.1f TF/s | wgrad %7.3f ms %6.1f TF/s | cublas strided-batched wgrad %7.3f ms %6.1f TF/s "
+              "(K = %lld rows per expert)\n",
+              t_dgrad, 6.0 * M * H * I / t_dgrad / 1e9, t_wgrad, 6.0 * M * H * I / t_wgrad / 1e9, c_wgrad,
+              6.0 * M * H * I / c_wgrad / 1e9, (long long)seg);
   for (void* q : {(void*)dgu, (void*)hw, (void*)dx, (void*)rw, (void*)partial, (void*)ddw, (void*)dWg, (void*)dWu, (void*)dWd})
     cudaFree(q);
   int32_t st = 0;
