@@ -3,7 +3,8 @@
 // 0's rows with the same CTA count (the overlap yardstick: the fused forward should cost little
 // more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
 // MOK_MK_TIMING_BACKWARD=1: the backward megakernel instead (after one training forward that keeps
-// its rows), in the same four variants and against the backward's stage kernels.
+// its rows), in the same four variants and against the backward's stage kernels; with
+// MOK_TIMING_DW=bf16 its weight gradients are bf16 (the layer's for bf16 weights), else fp32.
 // MOK_MK_TIMING_FP8=1: also the block-scaled fp8 forward (MoeForwardArgs::fp8), in rounds with the
 // bf16 one, and the fp8 experts' GEMMs alone (experts_forward_fp8) on rank 0's rows.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
@@ -186,6 +187,10 @@ void run(const Shape& s) {
   CHECK_CUDA(cudaDeviceSynchronize());  // the setup fills are done before the timed calls
   if (backward) {
     fused();  // the forward whose rows the backward calls read
+    // MOK_TIMING_DW=bf16: bf16 weight gradients (what the layer writes for bf16 weights; the
+    // fp32 buffers are large enough), else fp32.
+    const char* dw_env = std::getenv("MOK_TIMING_DW");
+    const bool dw_bf16 = dw_env != nullptr && std::string(dw_env) == "bf16";
     bool stages = false;
     auto fused_backward = [&]() {
       ++epoch;
@@ -196,6 +201,7 @@ void run(const Shape& s) {
         b.d_w_gate = rd.dwg;
         b.d_w_up = rd.dwu;
         b.d_w_down = rd.dwd;
+        b.d_w_type = dw_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
         b.dx = rd.dx;
         b.d_topk_w = rd.d_topk_w;
         b.fused = !stages;
