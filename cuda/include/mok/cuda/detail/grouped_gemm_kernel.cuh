@@ -12,9 +12,10 @@
 // With an epilogue that stores per warpgroup (Epilogue::kPerWarpgroup: the weight gradients'
 // 64-row targets) the consumers take turns: warpgroup 1 reduces tile j while warpgroup 2 still
 // stores tile j - 1, then the other way round, so one warpgroup's epilogue runs under the other's
-// mainloop. A weight-gradient tile reduces only K = an expert's rows (4 k-blocks at 256 rows),
-// and then stores as many bytes as it loaded: the two warpgroups' epilogues together stopped the
-// tensor cores for about as long as the mainloop ran. Same k order per output element: the same bits.
+// mainloop (in a tile of more k-blocks than stages, under the other's last k-blocks). A
+// weight-gradient tile reduces only K = an expert's rows (4 k-blocks at 256 rows), and then
+// stores as many bytes as it loaded: the two warpgroups' epilogues together stopped the tensor
+// cores for about as long as the mainloop ran. Same k order per output element: the same bits.
 #pragma once
 
 #include <type_traits>
@@ -124,11 +125,16 @@ __device__ __forceinline__ void load_k_blocks_keeping_b(const typename Mainloop:
 // the wgmma batch after it was issued (one batch stays in flight). Every kernel here and both
 // megakernel passes reduce with it, so a tile's bits depend only on its operands and k order.
 // `for_padding_half`: the other warpgroup's rows are all padding (reduce_padding_half), so this
-// one also releases the stages after the first on its behalf.
-template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State>
+// one also releases the stages after the first on its behalf. `issued(kb)` runs once the wgmma
+// batch of k-block kb was issued (the turns below hand over there).
+struct NoHook {
+  __device__ void operator()(int) const {}
+};
+template <class Mma, class FragA, class FragB, class Acc, class Pipeline, class State, class Issued = NoHook>
 __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                 Pipeline& pipeline, State& read_state, State& release_state,
-                                                int k_begin, int k_end, bool for_padding_half = false) {
+                                                int k_begin, int k_end, bool for_padding_half = false,
+                                                Issued issued = {}) {
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   warpgroup_fence_operand(acc);
   for (int kb = k_begin; kb < k_end; ++kb) {
@@ -141,6 +147,7 @@ __device__ __forceinline__ void reduce_k_blocks(Mma& mma, const FragA& tCrA, con
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    issued(kb);
     // Keep one batch of wgmma in flight; the stage before it is then free.
     warpgroup_wait<1>();
     if (kb > k_begin) {
@@ -285,20 +292,27 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const GroupedTile t = tile_at(linear);
       const bool last = linear + int(gridDim.x) >= total;
       // Turns (consumer c = warpgroup 1 + c): consumer 0 starts; each gives the other the turn
-      // after its mainloop (consumer 1 after its last tile gives nothing: consumer 0 has no next
-      // tile to wait for). A tile of more k-blocks than stages is reduced by both at once
-      // (consumer 0 gives the turn before its mainloop): alone, consumer 0 would wait for stages
-      // that only the other frees.
-      const bool together = t.k_end - t.k_begin > kStages;
+      // once it has issued the tile's first kStages k-blocks (all of them in a shorter tile;
+      // consumer 1 after its last tile gives nothing: consumer 0 has no next tile to wait for).
+      // In a longer tile consumer 0 could not go on alone (the next stages are freed only when
+      // both read them), so the two share the tensor cores for the rest of its mainloop, and
+      // its epilogue runs under consumer 1's last k-blocks. (Until session 21 both reduced a
+      // longer tile at once and stored at once, nothing overlapped: Kimi K2's 341 rows per expert
+      // are 6 k-blocks.)
       if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
-      if (kTurns && c == 0 && together) give_turn(1);
+      const bool gives = kTurns && (c == 0 || !last);
+      const int give_after = t.k_begin + min(t.k_end - t.k_begin, kStages) - 1;
+      auto hand_over = [&](int kb) {
+        if (gives && kb == give_after) give_turn(1 - c);
+      };
       if (t.k_end <= t.k_begin) {
         clear(acc);  // nothing to reduce (an empty expert's weight gradient): the tile is zero
+        hand_over(give_after);
       } else {
-        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end);
+        reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, t.k_begin, t.k_end, false,
+                        hand_over);
       }
       if constexpr (kTurns) {
-        if (c == 0 ? !together : !last) give_turn(1 - c);
         // This warpgroup's 64 rows: block 2 m + c of 64 rows, its own staging tiles.
         GroupedTile half = t;
         half.m_block = 2 * t.m_block + c;
