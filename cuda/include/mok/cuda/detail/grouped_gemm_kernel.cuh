@@ -193,6 +193,7 @@ struct GroupedGemmParams {
   int k_blocks;  // grouped_rows: k-blocks of every tile
   const int32_t* offsets;
   int32_t* status;
+  int turn_after = 0;  // turns: k-blocks a consumer issues before handing over (0: kStages)
 };
 
 template <class Mainloop, class Epilogue>
@@ -301,7 +302,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       // are 6 k-blocks.)
       if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
       const bool gives = kTurns && (c == 0 || !last);
-      const int give_after = t.k_begin + min(t.k_end - t.k_begin, kStages) - 1;
+      const int lag = p.turn_after > 0 ? min(p.turn_after, kStages) : kStages;
+      const int give_after = t.k_begin + min(t.k_end - t.k_begin, lag) - 1;
       auto hand_over = [&](int kb) {
         if (gives && kb == give_after) give_turn(1 - c);
       };
