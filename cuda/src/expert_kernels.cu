@@ -81,9 +81,6 @@ std::string schedule_problem() {
   const char* w = std::getenv("MOK_WGRAD_TILES");
   if (!(w == nullptr || *w == '\0' || std::strcmp(w, "columns") == 0 || std::strcmp(w, "rows") == 0))
     why += std::string("MOK_WGRAD_TILES must be columns or rows, got '") + w + "'; ";
-  const char* l = std::getenv("MOK_WGRAD_TURN_AFTER");
-  if (!(l == nullptr || *l == '\0' || (std::strlen(l) == 1 && l[0] >= '1' && l[0] <= '0' + detail::GemmConfig::kStages)))
-    why += std::string("MOK_WGRAD_TURN_AFTER must be 1 to ") + std::to_string(detail::GemmConfig::kStages) + ", got '" + l + "'; ";
   return why;
 }
 
@@ -293,8 +290,6 @@ void wgrad_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
       detail::GroupedGemmParams<MnMajor, Epilogue> p{
           m, e, order, int(El), int(R), ceil_div(a_cols, GemmConfig::kBlockM),
           ceil_div(b_cols, GemmConfig::kBlockN), 0, a.expert_offsets, a.status};
-      const char* lag = std::getenv("MOK_WGRAD_TURN_AFTER");  // checked by wgrad_order
-      if (lag != nullptr && *lag != '\0') p.turn_after = std::atoi(lag);
       launch(p, a.num_sms, stream);
     };
     // Ping-pong here: the cooperative tiles, each warpgroup's epilogue under the other's mainloop.

@@ -112,8 +112,7 @@ TEST(MegakernelChecks, Fp8ForwardArgumentsAreRefusedByName) {
 }
 
 // MOK_EXPERT_SCHEDULE (the benchmark's switch between the expert GEMMs' two schedules) takes
-// cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows,
-// MOK_WGRAD_TURN_AFTER (the k-blocks before a weight-gradient warpgroup hands over) 1 to 4;
+// cooperative or pingpong, MOK_WGRAD_TILES (the weight gradients' tile order) columns or rows;
 // anything else is refused by name, by can_implement and before a kernel is launched (the
 // arguments point at host memory: a launch would fail with a CUDA error instead).
 TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
@@ -154,9 +153,7 @@ TEST(ExpertScheduleChecks, AnUnknownScheduleIsRefusedByName) {
   for (const Bad& bad :
        {Bad{"MOK_EXPERT_SCHEDULE", "pingpong2",
             "MOK_EXPERT_SCHEDULE must be cooperative or pingpong, got 'pingpong2'"},
-        Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"},
-        Bad{"MOK_WGRAD_TURN_AFTER", "5", "MOK_WGRAD_TURN_AFTER must be 1 to 4, got '5'"},
-        Bad{"MOK_WGRAD_TURN_AFTER", "0", "MOK_WGRAD_TURN_AFTER must be 1 to 4, got '0'"}}) {
+        Bad{"MOK_WGRAD_TILES", "diagonal", "MOK_WGRAD_TILES must be columns or rows, got 'diagonal'"}}) {
     ASSERT_EQ(setenv(bad.variable, bad.value, 1), 0);
     const std::string forward = refused([&] { experts_forward(f, nullptr); });
     const std::string backward = refused([&] { experts_backward(b, nullptr); });

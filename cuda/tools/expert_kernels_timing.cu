@@ -177,24 +177,19 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
   // many local experts), written in the same type. Column-major views of the row-major buffers:
   // dW_gate[e] (I x H row-major) = dg^T x is, column-major, H x I = x^T dg.
   const float t_dgrad = time_ms([&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
-  // The weight gradients' turns handing over after 4 (the default), 3, 2 or 1 k-blocks, and the
-  // cooperative epilogue (both warpgroups reduce, then both store), in 3 rotating rounds.
-  const char* lags[5] = {"", "3", "2", "1", "cooperative"};
-  std::vector<float> wg_times[5];
+  // The weight gradients' turns (the default) against the cooperative epilogue (both warpgroups
+  // reduce, then both store), in 3 rounds alternating which runs first.
+  std::vector<float> wg_times[2];
   for (int round = 0; round < 3; ++round) {
-    for (int i = 0; i < 5; ++i) {
-      const int v = (i + round) % 5;
-      if (v == 4) setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1);
-      else if (v > 0) setenv("MOK_WGRAD_TURN_AFTER", lags[v], 1);
+    for (int i = 0; i < 2; ++i) {
+      const int v = (i + round) % 2;
+      if (v == 1) setenv("MOK_EXPERT_SCHEDULE", "cooperative", 1);
       wg_times[v].push_back(time_ms([&] { mok::cuda::experts_wgrad(b, nullptr); }, 10));
       unsetenv("MOK_EXPERT_SCHEDULE");
-      unsetenv("MOK_WGRAD_TURN_AFTER");
     }
   }
   for (auto& w : wg_times) std::sort(w.begin(), w.end());
-  const float t_wgrad = wg_times[0][1], t_wgrad_coop = wg_times[4][1];
-  std::printf("    wgrad medians: turns after 4 %7.3f | 3 %7.3f | 2 %7.3f | 1 %7.3f | cooperative %7.3f ms\n",
-              wg_times[0][1], wg_times[1][1], wg_times[2][1], wg_times[3][1], wg_times[4][1]);
+  const float t_wgrad = wg_times[0][1], t_wgrad_coop = wg_times[1][1];
   const cudaDataType out_type = dw_bf16 ? CUDA_R_16BF : CUDA_R_32F;
   auto batched = [&](const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t m, int64_t n) {
     // C[e] (m x n column-major) = A[e] (m x seg, ld lda) * B[e]^T (n x seg, ld ldb)^T
