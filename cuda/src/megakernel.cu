@@ -712,8 +712,8 @@ void launch_backward_megakernel(const MoeBackwardArgs& a, int sms, cudaStream_t 
   const int64_t out_rows[3] = {I, I, H}, out_cols[3] = {H, H, I};
   p.wgrad_bf16_out = a.d_w_type == GradType::bf16 ? 1 : 0;
   for (int g = 0; g < 3; ++g) {  // both kinds of store are set (valid descriptors); one is used
-    p.wgrad_bf16[g] = host_util::bf16_planes_target(outs[g], out_rows[g], out_cols[g], El);
-    p.wgrad_f32[g] = host_util::f32_planes_target(outs[g], out_rows[g], out_cols[g], El);
+    p.wgrad_bf16[g] = host_util::bf16_planes_target<64>(outs[g], out_rows[g], out_cols[g], El);
+    p.wgrad_f32[g] = host_util::f32_planes_target<64>(outs[g], out_rows[g], out_cols[g], El);
   }
   const PassTiles tiles = backward_tiles(H, I);
   p.wg_m = int(tiles.wg_m);

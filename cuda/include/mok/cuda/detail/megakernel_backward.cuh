@@ -32,10 +32,10 @@ struct MegaBackwardParams : MegaPassParams {
   BackwardDgradMainloop::Params first_load, second_load;  // dy x W_down; [dg|du] x [W_gate; W_up]
   SwiGluBackwardEpilogue::Params first_store;            // dg|du, hw, d topk_w partials
   // The weight gradients dW_gate = dg^T x, dW_up = du^T x, dW_down = dy^T hw (both operands read
-  // transposed), stored fp32 or bf16 (wgrad_bf16_out).
+  // transposed), stored fp32 or bf16 (wgrad_bf16_out), 64 rows per consumer warpgroup (turns).
   BackwardWgradMainloop::Params wgrad_load[3];
-  StoreF32Epilogue::Params wgrad_f32[3];
-  StoreBf16PlanesEpilogue::Params wgrad_bf16[3];
+  StoreF32TurnsEpilogue::Params wgrad_f32[3];
+  StoreBf16PlanesTurnsEpilogue::Params wgrad_bf16[3];
   int32_t wgrad_bf16_out;
   int32_t wg_m, wg_n, wd_m, wd_n;  // tiles of dW_gate / dW_up (I x H) and of dW_down (H x I)
   float* row_weight;               // [row_capacity]: topk_w of each row's (token, j), 0 for padding
@@ -112,10 +112,17 @@ struct BackwardPass {
   }
 
   // Consumers: the tile's reduction over the expert's rows in order (zero for an empty expert),
-  // then its fp32 or bf16 store (TMA, asynchronous).
+  // then its fp32 or bf16 store (TMA, asynchronous). The two warpgroups take turns as in the
+  // grouped GEMM's weight gradients (grouped_gemm_kernel.cuh): warpgroup c hands over once it has
+  // issued the tile's first kStages k-blocks and stores its own 64 rows, so one warpgroup's
+  // epilogue runs under the other's mainloop. Warpgroup 1 waits for its turn on every tile,
+  // warpgroup 0 on every tile after its first and once more at the end (end_turns: warpgroup 1
+  // cannot know its tile was the last, so it always hands over). `turns` is set at the first
+  // weight-gradient tile; every later task of the CTA is one too (they come last).
   template <class Acc, class Coords, class Storage, class Pipeline, class State>
   static __device__ void wgrad_task(const Params& p, const MegaTask& task, Acc& acc, const Coords&, int thread,
-                                    Storage& smem, Pipeline& pipeline, State& read_state, State& release_state) {
+                                    Storage& smem, Pipeline& pipeline, State& read_state, State& release_state,
+                                    bool& turns) {
     using Mainloop = BackwardWgradMainloop;
     ExpertTiledMma<Mainloop::Element, Mainloop::kMajorA, Mainloop::kMajorB> mma;
     auto thr = mma.get_thread_slice(thread);
@@ -124,29 +131,57 @@ struct BackwardPass {
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     const int g = task.wgrad - 1;
+    const int c = thread / 128;  // consumer warpgroup
+    if (!turns) {
+      // From here on each warpgroup writes only its own staging tiles (staging[c]), and warpgroup
+      // 1's thread cannot wait for bulk stores thread 0 issued: the last two-GEMM epilogue's
+      // staging reads and bulk stores end before either warpgroup goes on.
+      if (thread == 0) tma_store_wait<0>();
+      consumers_sync();
+      turns = true;
+    } else if (c == 0) {
+      wait_turn(0);
+    }
+    if (c == 1) wait_turn(1);
+    const int k_blocks = task.tile.k_end - task.tile.k_begin;
+    const int give_after = task.tile.k_begin + min(k_blocks, GemmConfig::kStages) - 1;
     const int t = opaque(thread);
-    if (task.tile.k_end <= task.tile.k_begin) {
+    if (k_blocks <= 0) {
       // An empty expert's gradient is zero. Stored from a stand-in accumulator: clearing the real
       // one here made ptxas serialize every wgmma of the kernel (C7515). Its stage held only its id.
+      give_turn(1 - c);
       pipeline.consumer_release(release_state);
       ++read_state;
-      store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[0]);
+      store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[c]);
       return;
     }
-    reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, task.tile.k_begin, task.tile.k_end);
-    store(p, g, task.tile, acc, t, smem.staging[0]);
+    reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, task.tile.k_begin, task.tile.k_end,
+                    false, [&](int kb) {
+                      if (kb == give_after) give_turn(1 - c);
+                    });
+    store(p, g, task.tile, acc, t, smem.staging[c]);
+  }
+  // Warpgroup 0's last wait (after the CTA's last task, when it did weight-gradient tiles).
+  static __device__ void end_turns(bool turns, int thread) {
+    if (turns && thread < 128) wait_turn(0);
   }
 
   struct ZeroAccumulator {
     __device__ float operator()(int) const { return 0.0f; }
   };
+  // Warpgroup thread / 128's 64 rows of the tile: row block 2 m + c of 64 rows.
   template <class Acc>
   static __device__ void store(const Params& p, int g, const GroupedTile& tile, const Acc& acc, int thread,
                                bfloat16_t* staging) {
+    const int c = thread / 128;
+    GroupedTile half = tile;
+    half.m_block = 2 * tile.m_block + c;
+    const auto all = coords_of(thread);
+    const auto coords = [&](int i) { return make_tuple(get<0>(all(i)) - 64 * c, get<1>(all(i))); };
     if (p.wgrad_bf16_out) {
-      StoreBf16PlanesEpilogue::apply(p.wgrad_bf16[g], tile, acc, coords_of(thread), thread, staging);
+      StoreBf16PlanesTurnsEpilogue::apply(p.wgrad_bf16[g], half, acc, coords, thread % 128, staging);
     } else {
-      StoreF32Epilogue::apply(p.wgrad_f32[g], tile, acc, coords_of(thread), thread, staging);
+      StoreF32TurnsEpilogue::apply(p.wgrad_f32[g], half, acc, coords, thread % 128, staging);
     }
   }
 };

@@ -523,7 +523,9 @@ __device__ void dispatch_role(const Params& p) {
 // Comm warps: warps 1..3 of compute CTA `cta` of `ctas` (warp 0 issues the TMA loads). They run
 // within the producer warpgroup's 40 registers, so 3 loads in flight per lane (2 measured the same:
 // bench/results/2026-11-30-h200-session6).
-inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 2;  // named barrier of their 96 threads
+// Named barrier of their 96 threads (ids 1-5 are the consumers': expert_epilogues.cuh,
+// grouped_gemm_kernel.cuh).
+inline constexpr int kCommWarps = 3, kCommWarpsBarrier = 6;
 // `used`: the schedule's rows as the CTA's tile scheduler holds them (0 for a malformed schedule
 // or a call given up before the launch).
 template <class Params>
@@ -662,7 +664,7 @@ __device__ __forceinline__ void init_pass_schedule(const Params& p, Tiles& tiles
 // of the `ctas` compute CTAs sets this rank's arrival word on every rank to the call's epoch.
 template <class Params>
 __device__ __forceinline__ void announce_pushes(const Params& p, int consumer_thread, int ctas) {
-  drain_stores(consumer_thread);
+  drain_stores(consumer_thread % 128);  // each warpgroup's bulk stores (the weight gradients' turns)
   // The pushes of every CTA reach the peers before the last CTA tells them so.
   __threadfence_system();
   consumers_sync();
@@ -768,6 +770,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     Tensor acc = partition_fragment_C(mma, Shape<Int<GemmConfig::kBlockM>, Int<GemmConfig::kBlockN>>{});
 
     cutlass::PipelineState<kStages> read_state;
+    [[maybe_unused]] bool turns = false;  // the weight gradients' turns began (BackwardPass::wgrad_task)
     for (;;) {
       // Every task releases each stage it reads, so here the release state is the read state: a
       // copy per task, not a second state kept through the epilogues (registers: with the padding
@@ -781,11 +784,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (linear >= total) {  // no more tasks: the stage holds no bytes
         pipeline.consumer_release(read_state);
         ++read_state;
+        if constexpr (Params::kWeightGradients) Pass::end_turns(turns, consumer_thread);
         break;
       }
       if constexpr (Params::kWeightGradients) {
         if (linear >= tasks.pass_total()) {
-          Pass::wgrad_task(p, tasks.at(linear), acc, tCcC, consumer_thread, smem, pipeline, read_state, release_state);
+          Pass::wgrad_task(p, tasks.at(linear), acc, tCcC, consumer_thread, smem, pipeline, read_state, release_state,
+                           turns);
           continue;
         }
       }
