@@ -67,6 +67,7 @@ int32_t experiment_skips() {
     if (v.find("push") != std::string::npos) bits |= detail::kSkipPush;
     if (v.find("waits") != std::string::npos) bits |= detail::kSkipWaits;
     if (v.find("quantize") != std::string::npos) bits |= detail::kSkipQuantize;
+    if (v.find("turns") != std::string::npos) bits |= detail::kSkipTurns;
     return bits;
   }();
   return skips;
@@ -77,11 +78,12 @@ int32_t experiment_skips() {
 // -DMOK_EXPERIMENTS (tools/gpu.sh: MOK_CUDA_FLAGS=-DMOK_EXPERIMENTS):
 //   MOK_EXPERIMENT_LOCAL=pull|push|both  the megakernels pull rows from / push rows to this rank's
 //       own buffers instead of the source ranks' (what NVLink costs the fused passes, session 6);
-//   MOK_EXPERIMENT_SKIP=pull,push,waits,quantize  the comm warps count rows without copying them,
+//   MOK_EXPERIMENT_SKIP=pull,push,waits,quantize,turns  the comm warps count rows without copying them,
 //       the push epilogue stages its tile but stores nothing, the producers issue loads without
 //       waiting on the counters (what each costs the megakernel over its GEMMs alone); quantize:
 //       the fp8 forward's gate|up tiles count their pair in h_ready with neither the pair's count,
-//       barrier nor quantization.
+//       barrier nor quantization; turns: the backward's weight-gradient tiles are reduced by both
+//       warpgroups at once, then stored by both (no turns: the same bits, for a same-process A/B).
 int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] int me, int s) {
 #ifdef MOK_EXPERIMENTS
   static const std::string mode = [] {

@@ -4,7 +4,9 @@
 // more than its GEMMs). Not the benchmark of record (bench/, on 2 GPUs, against the baselines).
 // MOK_MK_TIMING_BACKWARD=1: the backward megakernel instead (after one training forward that keeps
 // its rows), in the same four variants and against the backward's stage kernels; with
-// MOK_TIMING_DW=bf16 its weight gradients are bf16 (the layer's for bf16 weights), else fp32.
+// MOK_TIMING_DW=bf16 its weight gradients are bf16 (the layer's for bf16 weights), else fp32;
+// MOK_MK_TIMING_BACKWARD_AB=<skips>: also the default against MOK_EXPERIMENT_SKIP=<skips> (timing
+// builds, -DMOK_EXPERIMENTS), e.g. "turns".
 // MOK_MK_TIMING_FP8=1: also the block-scaled fp8 forward (MoeForwardArgs::fp8), in rounds with the
 // bf16 one, and the fp8 experts' GEMMs alone (experts_forward_fp8) on rank 0's rows.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
@@ -210,6 +212,26 @@ void run(const Shape& s) {
       for (int r = 0; r < R; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks[r].stream));
     };
     const std::vector<float> t = time_variants(fused_backward, claim_tasks, skip_padding_halves, &stages);
+    // MOK_MK_TIMING_BACKWARD_AB: the default against MOK_EXPERIMENT_SKIP=<this> (timing builds), 4
+    // rounds alternating which runs first.
+    if (const char* ab = std::getenv("MOK_MK_TIMING_BACKWARD_AB"); ab != nullptr && *ab != '\0') {
+      const char* before = std::getenv("MOK_EXPERIMENT_SKIP");
+      const std::string saved = before != nullptr ? before : "";
+      std::vector<float> with_default, with_skip;
+      for (int round = 0; round < 4; ++round) {
+        for (int i = 0; i < 2; ++i) {
+          const bool skip = (i + round) % 2 == 1;
+          setenv("MOK_EXPERIMENT_SKIP", skip ? ab : saved.c_str(), 1);
+          (skip ? with_skip : with_default).push_back(time_ms(fused_backward, 10, /*warmup=*/2));
+        }
+      }
+      setenv("MOK_EXPERIMENT_SKIP", saved.c_str(), 1);
+      std::sort(with_default.begin(), with_default.end());
+      std::sort(with_skip.begin(), with_skip.end());
+      std::printf("  backward A/B: default %8.3f %8.3f %8.3f %8.3f | MOK_EXPERIMENT_SKIP=%s %8.3f %8.3f %8.3f %8.3f ms (sorted)\n",
+                  with_default[0], with_default[1], with_default[2], with_default[3], ab, with_skip[0], with_skip[1],
+                  with_skip[2], with_skip[3]);
+    }
     int32_t words[mok::cuda::kFailureWords];
     CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));
     const std::string status = mok::cuda::describe_wait_status(words);

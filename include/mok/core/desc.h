@@ -16,7 +16,8 @@ namespace mok {
 
 enum class Precision {
   bf16,       // bf16 operands, fp32 accumulation
-  fp8_block,  // e4m3 with Hopper block scaling (1x128 activations, 128x128 weights): reserved
+  fp8_block,  // the experts' forward GEMMs in e4m3 with Hopper block scaling (1x128 activations,
+              // 128x128 weights); the backward is bf16 (reference.h: layer_forward)
 };
 
 const char* to_string(Precision p);

@@ -132,6 +132,7 @@ struct BackwardPass {
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     const int g = task.wgrad - 1;
     const int c = thread / 128;  // consumer warpgroup
+    const bool take_turns = !MOK_SKIPS(p, kSkipTurns);  // (timing builds: both reduce at once)
     if (!turns) {
       // From here on each warpgroup writes only its own staging tiles (staging[c]), and warpgroup
       // 1's thread cannot wait for bulk stores thread 0 issued: the last two-GEMM epilogue's
@@ -139,17 +140,17 @@ struct BackwardPass {
       if (thread == 0) tma_store_wait<0>();
       consumers_sync();
       turns = true;
-    } else if (c == 0) {
+    } else if (c == 0 && take_turns) {
       wait_turn(0);
     }
-    if (c == 1) wait_turn(1);
+    if (c == 1 && take_turns) wait_turn(1);
     const int k_blocks = task.tile.k_end - task.tile.k_begin;
     const int give_after = task.tile.k_begin + min(k_blocks, GemmConfig::kStages) - 1;
     const int t = opaque(thread);
     if (k_blocks <= 0) {
       // An empty expert's gradient is zero. Stored from a stand-in accumulator: clearing the real
       // one here made ptxas serialize every wgmma of the kernel (C7515). Its stage held only its id.
-      give_turn(1 - c);
+      if (take_turns) give_turn(1 - c);
       pipeline.consumer_release(release_state);
       ++read_state;
       store(p, g, task.tile, ZeroAccumulator{}, t, smem.staging[c]);
@@ -157,13 +158,13 @@ struct BackwardPass {
     }
     reduce_k_blocks(mma, tCrA, tCrB, acc, pipeline, read_state, release_state, task.tile.k_begin, task.tile.k_end,
                     false, [&](int kb) {
-                      if (kb == give_after) give_turn(1 - c);
+                      if (take_turns && kb == give_after) give_turn(1 - c);
                     });
     store(p, g, task.tile, acc, t, smem.staging[c]);
   }
   // Warpgroup 0's last wait (after the CTA's last task, when it did weight-gradient tiles).
-  static __device__ void end_turns(bool turns, int thread) {
-    if (turns && thread < 128) wait_turn(0);
+  static __device__ void end_turns(const Params& p, bool turns, int thread) {
+    if (turns && thread < 128 && !MOK_SKIPS(p, kSkipTurns)) wait_turn(0);
   }
 
   struct ZeroAccumulator {

@@ -74,7 +74,7 @@ struct WaitStatus {
 __device__ __forceinline__ uint32_t call_epoch(const WaitStatus& s) { return call_epoch(s.words); }
 
 // Timing-only switches (megakernel.cu: MOK_EXPERIMENTS): parts of the megakernel left out.
-enum ExperimentSkip : int32_t { kSkipPull = 1, kSkipPush = 2, kSkipWaits = 4, kSkipQuantize = 8 };
+enum ExperimentSkip : int32_t { kSkipPull = 1, kSkipPush = 2, kSkipWaits = 4, kSkipQuantize = 8, kSkipTurns = 16 };
 #ifdef MOK_EXPERIMENTS
 #define MOK_EXPERIMENT_FIELDS int32_t experiment_skips;
 #define MOK_SKIPS(p, bit) (((p).experiment_skips & (bit)) != 0)
@@ -784,7 +784,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (linear >= total) {  // no more tasks: the stage holds no bytes
         pipeline.consumer_release(read_state);
         ++read_state;
-        if constexpr (Params::kWeightGradients) Pass::end_turns(turns, consumer_thread);
+        if constexpr (Params::kWeightGradients) Pass::end_turns(p, turns, consumer_thread);
         break;
       }
       if constexpr (Params::kWeightGradients) {
