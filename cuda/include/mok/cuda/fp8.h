@@ -36,6 +36,17 @@ void preload_fp8_kernels();
 // Asynchronous on `stream`; the same errors as quantize_rows_e4m3.
 void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                           cudaStream_t stream);
+// quantize_blocks_e4m3 that also writes each plane's transpose (the fp8 dgrad's B operands: a
+// 128 x 128 block's scale is its transpose's, so W^T's codes are W's, moved; mok/core/fp8.h:
+// transpose): codes_t [planes, cols, ld_t] with plane p's W^T in columns [offset_t, offset_t + rows)
+// of each of its rows, scales_t [planes, ceil(cols / 128), ld_t / 128] with its blocks from column
+// block offset_t / 128. Two calls with offset_t 0 and I into one [El, H, 2I] buffer write
+// [W_gate^T | W_up^T] (mok/core/fp8.h: concat_cols). ld_t and offset_t are multiples of 128,
+// offset_t + rows <= ld_t; columns past a plane's rows are not written. codes and scales as
+// quantize_blocks_e4m3 (both null: not written).
+void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes,
+                                     float* scales, uint8_t* codes_t, float* scales_t, int64_t ld_t, int64_t offset_t,
+                                     cudaStream_t stream);
 
 // The routed experts' forward with block-scaled e4m3 GEMMs (Precision::fp8_block), on rows
 // grouped by expert as ExpertsForwardArgs (expert_kernels.h): g|u = x W_gate^T | x W_up^T with each
