@@ -41,9 +41,9 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
 
 }  // namespace
 
-std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
-  std::ostringstream why;
-  const int64_t H = a.hidden, I = a.intermediate, El = a.local_experts, R = a.row_capacity;
+namespace {
+// What every fp8 launcher asks of its shapes: whole scale blocks, 16-byte rows of row scales.
+void shape_checks(std::ostringstream& why, int64_t H, int64_t I, int64_t El, int64_t R, const int32_t* offsets) {
   if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
   if (I < 128 || I % 128 != 0)
     why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
@@ -51,7 +51,13 @@ std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
     why << "local_experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
   if (R < 0 || R > (int64_t{1} << 30) || R % 4 != 0)
     why << "row_capacity must be a multiple of 4 (16-byte rows of scales) in [0, 2^30], got " << R << "; ";
-  if (a.expert_offsets == nullptr) why << "expert_offsets is null; ";
+  if (offsets == nullptr) why << "expert_offsets is null; ";
+}
+}  // namespace
+
+std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
+  std::ostringstream why;
+  shape_checks(why, a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
   if (gate_up_only) {
     if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.h)
       why << "x, w_gate, w_up (each with its scales) and h must not be null; ";
@@ -124,15 +130,7 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
 std::string can_implement(const ExpertsDgradFp8Args& a) {
   std::ostringstream why;
   const ExpertsBackwardArgs& b = a.base;
-  const int64_t H = b.hidden, I = b.intermediate, El = b.local_experts, R = b.row_capacity;
-  if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
-  if (I < 128 || I % 128 != 0)
-    why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
-  if (El < 1 || El > GemmConfig::kMaxExperts)
-    why << "local_experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
-  if (R < 0 || R > (int64_t{1} << 30) || R % 4 != 0)
-    why << "row_capacity must be a multiple of 4 (16-byte rows of scales) in [0, 2^30], got " << R << "; ";
-  if (b.expert_offsets == nullptr) why << "expert_offsets is null; ";
+  shape_checks(why, b.hidden, b.intermediate, b.local_experts, b.row_capacity, b.expert_offsets);
   if (!b.gu || !b.h || !b.dy || !b.row_weight || !b.dgu || !b.hw || !b.dw_partial || !b.dx || !b.d_row_weight)
     why << "gu, h, dy, row_weight, dgu, hw, dw_partial, dx and d_row_weight must not be null; ";
   if (!a.w_down_t || !a.w_down_t_scales || !a.w_gate_up_t || !a.w_gate_up_t_scales)
