@@ -64,6 +64,13 @@ __device__ __forceinline__ void wait_turn(int c) {
 __device__ __forceinline__ void give_turn(int other) {
   asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + other) : "memory");
 }
+// The k-block after whose wgmma batch a warpgroup taking turns hands over: the tile's kStages-th,
+// or its last in a shorter tile (k_begin - 1 for a tile of none). Past it a warpgroup alone would
+// wait for stages that only the other one frees. The grouped GEMM's weight gradients and the
+// backward megakernel's (megakernel_backward.cuh) hand over here.
+__device__ __forceinline__ int hand_over_k_block(const GroupedTile& t) {
+  return t.k_begin + min(t.k_end - t.k_begin, GemmConfig::kStages) - 1;
+}
 
 // Epilogue::kPerWarpgroup, false where the epilogue does not say.
 template <class Epilogue, class = void>
@@ -302,7 +309,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       // on other shapes; handing over after 1-3 k-blocks measured within noise of kStages.)
       if (kTurns && (c == 1 || linear != int(blockIdx.x))) wait_turn(c);
       const bool gives = kTurns && (c == 0 || !last);
-      const int give_after = t.k_begin + min(t.k_end - t.k_begin, kStages) - 1;
+      const int give_after = hand_over_k_block(t);
       auto hand_over = [&](int kb) {
         if (gives && kb == give_after) give_turn(1 - c);
       };

@@ -145,7 +145,7 @@ struct BackwardPass {
     }
     if (c == 1 && take_turns) wait_turn(1);
     const int k_blocks = task.tile.k_end - task.tile.k_begin;
-    const int give_after = task.tile.k_begin + min(k_blocks, GemmConfig::kStages) - 1;
+    const int give_after = hand_over_k_block(task.tile);
     const int t = opaque(thread);
     if (k_blocks <= 0) {
       // An empty expert's gradient is zero. Stored from a stand-in accumulator: clearing the real
