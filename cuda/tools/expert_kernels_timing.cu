@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
@@ -17,6 +18,19 @@
 #include "timing_util.h"
 
 namespace {
+
+// The mean times of two calls over 4 rounds, alternating which runs first (the clocks drift
+// under the power cap).
+template <class A, class B>
+std::pair<float, float> alternating_ms(A a, B b, int iters) {
+  float ta = 0, tb = 0;
+  for (int r = 0; r < 4; ++r) {
+    if (r % 2 == 0) ta += time_ms(a, iters) / 4;
+    tb += time_ms(b, iters) / 4;
+    if (r % 2 == 1) ta += time_ms(a, iters) / 4;
+  }
+  return {ta, tb};
+}
 
 void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle_t blas) {
   const int64_t seg = (rows_per_expert + 127) / 128 * 128;
@@ -113,12 +127,8 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     f.y = y;
     f.status = status;
     a.gu = gu;
-    float t_fp8 = 0, t_bf16 = 0;
-    for (int r = 0; r < 4; ++r) {  // alternating which runs first
-      if (r % 2 == 0) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
-      t_bf16 += time_ms([&] { mok::cuda::experts_forward(a, nullptr); }, iters) / 4;
-      if (r % 2 == 1) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
-    }
+    const auto [t_fp8, t_bf16] = alternating_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); },
+                                                [&] { mok::cuda::experts_forward(a, nullptr); }, iters);
     std::printf("    forward fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t_fp8, 3 * f_down / t_fp8 / 1e9, t_bf16, 3 * f_down / t_bf16 / 1e9, t_bf16 / t_fp8);
     for (void* q : {(void*)xq, (void*)wgq, (void*)wuq, (void*)wdq, (void*)hq, (void*)xs, (void*)wgs, (void*)wus, (void*)wds, (void*)hs})
@@ -235,12 +245,8 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     f8.dy_scales = dys;
     f8.dgu_codes = dguq;
     f8.dgu_scales = dgus;
-    float t8 = 0, t16 = 0;
-    for (int r = 0; r < 4; ++r) {
-      if (r % 2 == 0) t8 += time_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, 10) / 4;
-      t16 += time_ms([&] { mok::cuda::experts_dgrad(b, nullptr); }, 10) / 4;
-      if (r % 2 == 1) t8 += time_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, 10) / 4;
-    }
+    const auto [t8, t16] = alternating_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); },
+                                          [&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
     std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
     for (void* q : {(void*)wdt, (void*)wgut, (void*)dyq, (void*)dguq, (void*)wdts, (void*)wguts, (void*)dys,
