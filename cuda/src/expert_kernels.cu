@@ -110,8 +110,8 @@ detail::GroupedGemmParams<Mainloop, Epilogue> rows_params(const typename Mainloo
 
 // d_row_weight[r] = sum of the row's d topk_w partials, in column-block order, for the rows the
 // experts hold ([0, offsets[El])); rows past them are not touched, as by every other kernel.
-__global__ void reduce_row_partials(const float* partial, int blocks, const int32_t* offsets, int experts,
-                                    float* out) {
+__global__ void reduce_row_partials_kernel(const float* partial, int blocks, const int32_t* offsets, int experts,
+                                           float* out) {
   const int64_t rows = offsets[experts];
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     float acc = 0.0f;
@@ -132,6 +132,12 @@ std::string common_checks(int64_t H, int64_t I, int64_t El, int64_t capacity, co
 }
 
 }  // namespace
+
+void host_util::reduce_row_partials(const float* partial, int blocks, const int32_t* offsets, int experts, float* out,
+                                    int64_t rows, cudaStream_t stream) {
+  reduce_row_partials_kernel<<<ceil_div(rows, 256), 256, 0, stream>>>(partial, blocks, offsets, experts, out);
+  check(cudaGetLastError(), "launch reduce_row_partials");
+}
 
 const char* status_message(int32_t code) {
   switch (code) {
@@ -257,10 +263,8 @@ void dh_swiglu_backward_launch(const ExpertsBackwardArgs& a, cudaStream_t stream
   } else {
     dh_swiglu_backward_rows<GemmConfig::kBlockM>(a, stream);
   }
-  const int dw_blocks = int(dw_partial_blocks(I));
-  reduce_row_partials<<<ceil_div(R, 256), 256, 0, stream>>>(a.dw_partial, dw_blocks, a.expert_offsets, int(El),
-                                                          a.d_row_weight);
-  check(cudaGetLastError(), "launch reduce_row_partials");
+  host_util::reduce_row_partials(a.dw_partial, int(dw_partial_blocks(I)), a.expert_offsets, int(El), a.d_row_weight, R,
+                                 stream);
 }
 
 void dx_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
@@ -375,7 +379,7 @@ void preload_expert_kernels() {
   check(cudaFuncGetAttributes(&attr,
                               detail::grouped_gemm_kernel<MnMajor, detail::StoreBf16PlanesTurnsEpilogue>),
         what);
-  check(cudaFuncGetAttributes(&attr, reduce_row_partials), what);
+  check(cudaFuncGetAttributes(&attr, reduce_row_partials_kernel), what);
 }
 
 }  // namespace mok::cuda

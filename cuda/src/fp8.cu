@@ -55,10 +55,22 @@ constexpr int kBlockThreads = 256;
 constexpr int kPerThread = kBlock * kBlock / kBlockThreads;
 constexpr int kRowStep = kBlockThreads / kBlock;
 
+// The transposed copy (quantize_blocks_e4m3_transposed): where it goes, null codes_t for none.
+struct TransposedTarget {
+  uint8_t* codes_t;
+  float* scales_t;
+  int64_t ld_t, offset_t;
+};
+
 __global__ void __launch_bounds__(kBlockThreads)
     quantize_blocks_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols, int64_t row_blocks,
-                           int64_t col_blocks, uint8_t* __restrict__ codes, float* __restrict__ scales) {
+                           int64_t col_blocks, uint8_t* __restrict__ codes, float* __restrict__ scales,
+                           TransposedTarget t) {
   __shared__ float warp_max[kBlockThreads / 32];
+  // The block's codes for the transposed copy: [row][column], rows padded to 132 bytes so that
+  // reading a column (consecutive rows in consecutive threads) hits 32 banks.
+  constexpr int kTileStride = kBlock + 4;
+  __shared__ uint8_t tile[kBlock * kTileStride];
   const int64_t block = blockIdx.x;  // (plane, row block, column block), row-major
   const int64_t plane = block / (row_blocks * col_blocks);
   const int64_t rb = block / col_blocks % row_blocks, cb = block % col_blocks;
@@ -83,12 +95,24 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
   const int e = fp8_scale_exponent(amax);
-  if (threadIdx.x == 0) scales[block] = ldexpf(1.0f, e);
+  if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    if (in_cols && i < rows_here)
-      codes[first + int64_t(i) * kRowStep * cols] = fp8_code(v[i], inv);
+    const uint8_t code = fp8_code(v[i], inv);
+    if (in_cols && i < rows_here && codes != nullptr) codes[first + int64_t(i) * kRowStep * cols] = code;
+    if (t.codes_t != nullptr) tile[(threadIdx.x / kBlock + i * kRowStep) * kTileStride + threadIdx.x % kBlock] = code;
+  }
+  if (t.codes_t == nullptr) return;
+  // W^T's block (cb, rb): its row j is the block's column j; thread k of a 128-thread half writes
+  // byte k of a row (consecutive threads, consecutive bytes).
+  __syncthreads();
+  const int64_t cols_t = t.ld_t, r_here = rows - rb * kBlock, c_here = cols - cb * kBlock;
+  const int k = threadIdx.x % kBlock;
+  if (threadIdx.x == 0) t.scales_t[(plane * col_blocks + cb) * (cols_t / kBlock) + t.offset_t / kBlock + rb] = ldexpf(1.0f, e);
+  for (int j = threadIdx.x / kBlock; j < kBlock; j += kRowStep) {
+    if (j < c_here && k < r_here)
+      t.codes_t[(plane * cols + cb * kBlock + j) * cols_t + t.offset_t + rb * kBlock + k] = tile[k * kTileStride + j];
   }
 }
 
@@ -115,11 +139,36 @@ void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t c
     throw std::invalid_argument("mok quantize_blocks_e4m3: x, codes and scales must not be null");
   if (blocks > int64_t{0x7fffffff})
     throw std::invalid_argument("mok quantize_blocks_e4m3: " + std::to_string(blocks) + " blocks are too many");
-  quantize_blocks_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
-                                                                        cols, row_blocks, col_blocks, codes, scales);
+  quantize_blocks_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, cols, row_blocks, col_blocks, codes, scales, TransposedTarget{});
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("mok quantize_blocks_e4m3: launch: ") + cudaGetErrorString(e));
+}
+
+void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes,
+                                     float* scales, uint8_t* codes_t, float* scales_t, int64_t ld_t, int64_t offset_t,
+                                     cudaStream_t stream) {
+  const std::string what = "mok quantize_blocks_e4m3_transposed: ";
+  if (planes < 0 || rows < 0 || cols < 0)
+    throw std::invalid_argument(what + "planes, rows and cols must be >= 0, got " + std::to_string(planes) + " x " +
+                                std::to_string(rows) + " x " + std::to_string(cols));
+  if (ld_t % kBlock != 0 || offset_t % kBlock != 0 || offset_t < 0 || offset_t + rows > ld_t)
+    throw std::invalid_argument(what + "the transposes' row length " + std::to_string(ld_t) + " and column offset " +
+                                std::to_string(offset_t) + " must be multiples of 128 holding " +
+                                std::to_string(rows) + " columns");
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, col_blocks = (cols + kBlock - 1) / kBlock;
+  const int64_t blocks = planes * row_blocks * col_blocks;
+  if (blocks == 0) return;
+  if (x == nullptr || codes_t == nullptr || scales_t == nullptr || (codes == nullptr) != (scales == nullptr))
+    throw std::invalid_argument(what + "x, codes_t and scales_t must not be null, and codes and scales both or neither");
+  if (blocks > int64_t{0x7fffffff})
+    throw std::invalid_argument(what + std::to_string(blocks) + " blocks are too many");
+  quantize_blocks_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, cols, row_blocks, col_blocks, codes, scales,
+      TransposedTarget{codes_t, scales_t, ld_t, offset_t});
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(what + "launch: " + cudaGetErrorString(e));
 }
 
 static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,

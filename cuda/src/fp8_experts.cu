@@ -28,20 +28,22 @@ static_assert(sizeof(detail::Fp8ScaledGemmSharedStorage) <= 232448, "shared stor
 
 const float_e4m3_t* e4m3(const uint8_t* p) { return reinterpret_cast<const float_e4m3_t*>(p); }
 
-template <bool kGateUp>
+template <bool kGateUp, bool kSwiGluBackward = false>
 void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
-  const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp>;
+  const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward>;
   const int smem = int(sizeof(detail::Fp8ScaledGemmSharedStorage));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
   kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(p);
-  check(cudaGetLastError(), kGateUp ? "launch the fp8 gate|up GEMM" : "launch the fp8 down GEMM");
+  check(cudaGetLastError(), kGateUp          ? "launch the fp8 gate|up GEMM"
+                            : kSwiGluBackward ? "launch the fp8 dh GEMM"
+                                              : "launch the fp8 store GEMM");
 }
 
 }  // namespace
 
-std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
-  std::ostringstream why;
-  const int64_t H = a.hidden, I = a.intermediate, El = a.local_experts, R = a.row_capacity;
+namespace {
+// What every fp8 launcher asks of its shapes: whole scale blocks, 16-byte rows of row scales.
+void shape_checks(std::ostringstream& why, int64_t H, int64_t I, int64_t El, int64_t R, const int32_t* offsets) {
   if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
   if (I < 128 || I % 128 != 0)
     why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
@@ -49,7 +51,13 @@ std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
     why << "local_experts must be in [1, " << GemmConfig::kMaxExperts << "], got " << El << "; ";
   if (R < 0 || R > (int64_t{1} << 30) || R % 4 != 0)
     why << "row_capacity must be a multiple of 4 (16-byte rows of scales) in [0, 2^30], got " << R << "; ";
-  if (a.expert_offsets == nullptr) why << "expert_offsets is null; ";
+  if (offsets == nullptr) why << "expert_offsets is null; ";
+}
+}  // namespace
+
+std::string can_implement(const ExpertsForwardFp8Args& a, bool gate_up_only) {
+  std::ostringstream why;
+  shape_checks(why, a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
   if (gate_up_only) {
     if (!a.x || !a.x_scales || !a.w_gate || !a.w_gate_scales || !a.w_up || !a.w_up_scales || !a.h)
       why << "x, w_gate, w_up (each with its scales) and h must not be null; ";
@@ -117,6 +125,56 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
       detail::fp8_store_params(e4m3(a.h_codes), a.h_scales, e4m3(a.w_down), a.w_down_scales,
                                store_target(a.y, R, H, H), rows, i, h, experts, a.expert_offsets, a.status);
   launch<false>(down, a.num_sms, stream);
+}
+
+std::string can_implement(const ExpertsDgradFp8Args& a) {
+  std::ostringstream why;
+  const ExpertsBackwardArgs& b = a.base;
+  shape_checks(why, b.hidden, b.intermediate, b.local_experts, b.row_capacity, b.expert_offsets);
+  if (!b.gu || !b.h || !b.dy || !b.row_weight || !b.dgu || !b.hw || !b.dw_partial || !b.dx || !b.d_row_weight)
+    why << "gu, h, dy, row_weight, dgu, hw, dw_partial, dx and d_row_weight must not be null; ";
+  if (!a.w_down_t || !a.w_down_t_scales || !a.w_gate_up_t || !a.w_gate_up_t_scales)
+    why << "w_down_t and w_gate_up_t (each with its scales) must not be null; ";
+  if (!a.dy_codes || !a.dy_scales || !a.dgu_codes || !a.dgu_scales)
+    why << "the scratch dy_codes, dy_scales, dgu_codes and dgu_scales must not be null; ";
+  if (b.swiglu_limit && !(*b.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
+  return host_util::trimmed(why.str());
+}
+
+void experts_dgrad_fp8(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
+  if (const std::string why = can_implement(a); !why.empty())
+    throw std::invalid_argument("mok cuda experts (fp8 dgrad): " + why);
+  host_util::bind_context();
+  const ExpertsBackwardArgs& b = a.base;
+  const int64_t R = b.row_capacity, H = b.hidden, I = b.intermediate, El = b.local_experts;
+  if (R == 0) return;
+  const int rows = int(R), h = int(H), i = int(I), experts = int(El);
+  const int32_t* rows_used = b.expert_offsets + El;  // offsets[El], read on the device
+  // dh = dy W_down: dy's rows 1 x 128, W_down^T [El, I, H] as the store form's b; the SwiGLU
+  // backward in the epilogue (its store target is a valid stand-in, unused).
+  quantize_rows_e4m3_k_major(b.dy, R, H, a.dy_codes, a.dy_scales, rows_used, stream);
+  Fp8ScaledGemmParams dh =
+      detail::fp8_store_params(e4m3(a.dy_codes), a.dy_scales, e4m3(a.w_down_t), a.w_down_t_scales,
+                               store_target(b.hw, R, I, I), rows, h, i, experts, b.expert_offsets, b.status);
+  dh.swiglu_backward = detail::SwiGluBackwardParams{static_cast<__nv_bfloat16*>(b.dgu),
+                                                    static_cast<__nv_bfloat16*>(b.hw),
+                                                    static_cast<const __nv_bfloat16*>(b.gu),
+                                                    static_cast<const __nv_bfloat16*>(b.h),
+                                                    b.row_weight,
+                                                    b.dw_partial,
+                                                    i / Fp8GemmConfig::kBlockN,
+                                                    i,
+                                                    b.swiglu_limit.has_value(),
+                                                    b.swiglu_limit.value_or(0.0f)};
+  launch<false, true>(dh, b.num_sms, stream);
+  host_util::reduce_row_partials(b.dw_partial, i / Fp8GemmConfig::kBlockN, b.expert_offsets, experts, b.d_row_weight,
+                                 R, stream);
+  // dx = [dg|du] [W_gate; W_up]: dg|du's rows 1 x 128 along 2I, [W_gate^T | W_up^T] [El, H, 2I].
+  quantize_rows_e4m3_k_major(b.dgu, R, 2 * I, a.dgu_codes, a.dgu_scales, rows_used, stream);
+  const Fp8ScaledGemmParams dx =
+      detail::fp8_store_params(e4m3(a.dgu_codes), a.dgu_scales, e4m3(a.w_gate_up_t), a.w_gate_up_t_scales,
+                               store_target(b.dx, R, H, H), rows, 2 * i, h, experts, b.expert_offsets, b.status);
+  launch<false>(dx, b.num_sms, stream);
 }
 
 }  // namespace mok::cuda

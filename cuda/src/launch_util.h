@@ -69,6 +69,11 @@ inline detail::StoreTensorOf<kRows> store_target(void* ptr, int64_t rows, int64_
   return {detail::make_store_tma<kRows>(bf(ptr), int(rows), int(cols), row_stride, 1, 0), int(rows), int(cols), 1};
 }
 
+// d_row_weight[r] = the sum of row r's `blocks` d topk_w partials in block order, for the rows
+// the experts hold (expert_kernels.cu; the bf16 and the fp8 dgrad share it).
+void reduce_row_partials(const float* partial, int blocks, const int32_t* offsets, int experts, float* out,
+                         int64_t rows, cudaStream_t stream);
+
 // ---- The backward's GEMMs, for the stage kernels and the backward megakernel alike ----
 using BackwardK = detail::BackwardMainloop<cute::GMMA::Major::K>;
 using BackwardMN = detail::BackwardMainloop<cute::GMMA::Major::MN>;

@@ -204,5 +204,46 @@ TEST(Fp8ExpertsForwardArgs, BadArgumentsAreRefusedByName) {
   refused([](auto& b) { b.local_experts = 0; }, "local_experts must be in");
 }
 
+// The fp8 dgrad's arguments (fp8.h: experts_dgrad_fp8): whole scale blocks, 16-byte scale rows,
+// every operand, output and scratch; refused by name by can_implement and before any launch
+// (host pointers: a launch would fail with a CUDA error instead).
+TEST(Fp8ExpertsDgradArgs, BadArgumentsAreRefusedByName) {
+  std::vector<uint8_t> bytes(64);
+  std::vector<float> floats(64);
+  std::vector<int32_t> offsets{0, 128};
+  ExpertsDgradFp8Args a;
+  ExpertsBackwardArgs& b = a.base;
+  b.row_capacity = 128;
+  b.hidden = 256;
+  b.intermediate = 128;
+  b.local_experts = 1;
+  b.expert_offsets = offsets.data();
+  b.gu = b.h = b.dy = b.dgu = b.hw = b.dx = bytes.data();
+  b.row_weight = b.dw_partial = b.d_row_weight = floats.data();
+  a.w_down_t = a.w_gate_up_t = a.dy_codes = a.dgu_codes = bytes.data();
+  a.w_down_t_scales = a.w_gate_up_t_scales = a.dy_scales = a.dgu_scales = floats.data();
+  ASSERT_EQ(can_implement(a), "");
+  const auto refused = [&](auto&& change, const char* message) {
+    ExpertsDgradFp8Args c = a;
+    change(c);
+    const std::string why = can_implement(c);
+    EXPECT_NE(why.find(message), std::string::npos) << why;
+    try {
+      experts_dgrad_fp8(c, nullptr);
+      ADD_FAILURE() << "not refused: " << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  refused([](auto& c) { c.base.intermediate = 192; }, "intermediate must be a positive multiple of 128");
+  refused([](auto& c) { c.base.hidden = 100; }, "hidden must be a positive multiple of 128");
+  refused([](auto& c) { c.base.row_capacity = 130; }, "row_capacity must be a multiple of 4");
+  refused([](auto& c) { c.base.dw_partial = nullptr; }, "dw_partial");
+  refused([](auto& c) { c.w_gate_up_t_scales = nullptr; }, "w_down_t and w_gate_up_t");
+  refused([](auto& c) { c.dgu_codes = nullptr; }, "the scratch");
+  refused([](auto& c) { c.base.swiglu_limit = 0.0f; }, "swiglu_limit must be > 0");
+  refused([](auto& c) { c.base.expert_offsets = nullptr; }, "expert_offsets is null");
+}
+
 }  // namespace
 }  // namespace mok::cuda

@@ -288,6 +288,48 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
                std::invalid_argument);
   EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, nullptr, dscales.ptr, nullptr),
                std::invalid_argument);
+
+  // The transposes (the fp8 dgrad's W^T operands): each plane's fp8::transpose of the oracle's
+  // quantization, at column offsets 0 and 384 of rows of 768 (as [W_gate^T | W_up^T] would sit),
+  // nothing written in the columns past a plane's 300 rows; with and without the plain codes.
+  const int64_t ld_t = 768, blocks_t = ld_t / 128;
+  DeviceBuffer<uint8_t> dcodes_t(planes * cols * ld_t);
+  DeviceBuffer<float> dscales_t(planes * col_blocks * blocks_t);
+  dcodes_t.poison(0xaa);
+  dscales_t.poison();
+  dcodes.poison(0xaa);
+  cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, dcodes.ptr, dscales.ptr, dcodes_t.ptr,
+                                        dscales_t.ptr, ld_t, 0, nullptr);
+  cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr, dscales_t.ptr,
+                                        ld_t, 384, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dcodes.download(), want_codes) << "the plain codes beside the transposes";
+  const std::vector<uint8_t> codes_t = dcodes_t.download();
+  const std::vector<float> scales_t = dscales_t.download();
+  for (int64_t p = 0; p < planes; ++p) {
+    const fp8::Quantized t = fp8::transpose(fp8::quantize_weights(w.data() + p * rows * cols, rows, cols));
+    for (const int64_t offset : {int64_t{0}, int64_t{384}}) {
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t r = 0; r < 384; ++r) {
+          const uint8_t got = codes_t[size_t((p * cols + c) * ld_t + offset + r)];
+          if (r < rows) {
+            ASSERT_EQ(got, t.codes[size_t(c * rows + r)]) << "plane " << p << " W^T row " << c << " column " << r
+                                                          << " at offset " << offset;
+          } else {
+            ASSERT_EQ(got, 0xaa) << "written past the plane's rows: plane " << p << " row " << c << " column " << r;
+          }
+        }
+      for (int64_t cb = 0; cb < col_blocks; ++cb)
+        for (int64_t rb = 0; rb < row_blocks; ++rb)
+          ASSERT_EQ(scales_t[size_t((p * col_blocks + cb) * blocks_t + offset / 128 + rb)],
+                    t.scales[size_t(cb * row_blocks + rb)])
+              << "plane " << p << " W^T block " << cb << "," << rb << " at offset " << offset;
+    }
+  }
+  for (const int64_t bad_offset : {int64_t{64}, int64_t{512}})  // not a block; 512 + 300 > 768
+    EXPECT_THROW(cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr,
+                                                       dscales_t.ptr, ld_t, bad_offset, nullptr),
+                 std::invalid_argument);
 }
 
 // The experts' fp8 forward (experts_forward_fp8) against its CPU oracle (reference.h:
@@ -444,6 +486,162 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
                                            Fp8ForwardCase{"four_experts", 512, 256, {1, 129, 256, 40}, std::nullopt}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The planned fp8 dgrad (experts_dgrad_fp8, then the bf16 weight gradients experts_wgrad) against
+// its CPU oracle (reference.h: experts_backward_fp8_dgrad) on fresh random bf16 inputs: dx, d row
+// weight and the three weight gradients within a tolerance (dh's k-block sums are the tensor
+// cores', not the oracle's exact ones), the weights' transposes quantized on the GPU
+// (quantize_blocks_e4m3_transposed), outputs poisoned first, rows past the experts untouched,
+// reruns and a run on 3 SMs bit for bit.
+class Fp8ExpertsDgrad : public ::testing::TestWithParam<Fp8ForwardCase> {};
+
+TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  const Fp8ForwardCase& c = GetParam();
+  const int64_t H = c.H, I = c.I, El = int64_t(c.rows.size());
+  std::vector<int64_t> offsets{0};
+  for (int64_t n : c.rows) offsets.push_back(offsets.back() + (n + 127) / 128 * 128);
+  const int64_t M = offsets.back(), capacity = M + 128;  // slack past the last expert stays untouched
+
+  Rng rng(std::hash<std::string>{}(c.name) ^ 0xd9adull);
+  std::vector<float> x(size_t(capacity * H), 0.0f), dy(size_t(capacity * H), 0.0f), rw(size_t(capacity), 0.0f);
+  for (int64_t e = 0; e < El; ++e)  // real rows random, padding rows zero (router weight 0)
+    for (int64_t r = offsets[e]; r < offsets[e] + c.rows[e]; ++r) {
+      for (int64_t k = 0; k < H; ++k) {
+        x[size_t(r * H + k)] = round_to_bf16(float(rng.normal()));
+        dy[size_t(r * H + k)] = round_to_bf16(float(rng.normal()));
+      }
+      rw[size_t(r)] = float(0.05 + 0.9 * rng.uniform());
+    }
+  const auto wg = test::random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wu = test::random_bf16(rng, El * I * H, 1.0 / std::sqrt(double(H)));
+  const auto wd = test::random_bf16(rng, El * H * I, 1.0 / std::sqrt(double(I)));
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  const ref::MlpShape shape{H, I, c.limit};
+  std::vector<float> gu(size_t(capacity * 2 * I), 0.0f), h(size_t(capacity * I), 0.0f), y(size_t(M * H));
+  ref::experts_forward(shape, view, offsets, x.data(), gu.data(), h.data(), y.data(), ref::Rounding::bf16);
+  std::vector<float> dx_ref(M * H), drw_ref(M), dwg_ref(El * I * H), dwu_ref(El * I * H), dwd_ref(El * H * I);
+  ref::experts_backward_fp8_dgrad(shape, view, offsets, x.data(), gu.data(), h.data(), dy.data(), rw.data(),
+                                  dx_ref.data(), drw_ref.data(), dwg_ref.data(), dwu_ref.data(), dwd_ref.data());
+
+  DeviceBuffer<uint16_t> dx_in(x.size()), dgu_in(gu.size()), dh_in(h.size()), ddy(dy.size()), dwg(wg.size()),
+      dwu(wu.size()), dwd(wd.size());
+  DeviceBuffer<float> drw(rw.size());
+  DeviceBuffer<uint8_t> wdt(El * I * H), wgut(El * H * 2 * I), dyq(capacity * H), dguq(capacity * 2 * I);
+  DeviceBuffer<float> wdts(El * (I / 128) * (H / 128)), wguts(El * (H / 128) * (2 * I / 128)),
+      dys(H / 128 * capacity), dgus(2 * I / 128 * capacity), partial(capacity * (I / 128));
+  DeviceBuffer<uint16_t> ddgu(capacity * 2 * I), dhw(capacity * I), ddx(capacity * H);
+  DeviceBuffer<float> dd_rw(capacity), dWg(El * I * H), dWu(El * I * H), dWd(El * H * I);
+  DeviceBuffer<int32_t> doff(offsets.size()), dstatus(1);
+  ASSERT_TRUE(dx_in.ptr && dgu_in.ptr && dh_in.ptr && ddy.ptr && dwg.ptr && dwu.ptr && dwd.ptr && drw.ptr && wdt.ptr &&
+              wgut.ptr && dyq.ptr && dguq.ptr && wdts.ptr && wguts.ptr && dys.ptr && dgus.ptr && partial.ptr &&
+              ddgu.ptr && dhw.ptr && ddx.ptr && dd_rw.ptr && dWg.ptr && dWu.ptr && dWd.ptr && doff.ptr && dstatus.ptr);
+  dx_in.upload(test::to_bits(x));
+  dgu_in.upload(test::to_bits(gu));
+  dh_in.upload(test::to_bits(h));
+  ddy.upload(test::to_bits(dy));
+  dwg.upload(test::to_bits(wg));
+  dwu.upload(test::to_bits(wu));
+  dwd.upload(test::to_bits(wd));
+  drw.upload(rw);
+  doff.upload(std::vector<int32_t>(offsets.begin(), offsets.end()));
+  CUDA_OK(cudaMemset(dstatus.ptr, 0, sizeof(int32_t)));
+  // W_down^T [El, I, H]; [W_gate^T | W_up^T] [El, H, 2I].
+  cuda::quantize_blocks_e4m3_transposed(dwd.ptr, El, H, I, nullptr, nullptr, wdt.ptr, wdts.ptr, H, 0, nullptr);
+  cuda::quantize_blocks_e4m3_transposed(dwg.ptr, El, I, H, nullptr, nullptr, wgut.ptr, wguts.ptr, 2 * I, 0, nullptr);
+  cuda::quantize_blocks_e4m3_transposed(dwu.ptr, El, I, H, nullptr, nullptr, wgut.ptr, wguts.ptr, 2 * I, I, nullptr);
+
+  cuda::ExpertsDgradFp8Args a;
+  cuda::ExpertsBackwardArgs& b = a.base;
+  b.row_capacity = capacity;
+  b.hidden = H;
+  b.intermediate = I;
+  b.local_experts = El;
+  b.expert_offsets = doff.ptr;
+  b.x = dx_in.ptr;
+  b.gu = dgu_in.ptr;
+  b.h = dh_in.ptr;
+  b.dy = ddy.ptr;
+  b.row_weight = drw.ptr;
+  b.w_gate = dwg.ptr;
+  b.w_up = dwu.ptr;
+  b.w_down = dwd.ptr;
+  b.dgu = ddgu.ptr;
+  b.hw = dhw.ptr;
+  b.dw_partial = partial.ptr;
+  b.dx = ddx.ptr;
+  b.d_row_weight = dd_rw.ptr;
+  b.d_w_gate = dWg.ptr;
+  b.d_w_up = dWu.ptr;
+  b.d_w_down = dWd.ptr;
+  b.swiglu_limit = c.limit;
+  b.status = dstatus.ptr;
+  a.w_down_t = wdt.ptr;
+  a.w_down_t_scales = wdts.ptr;
+  a.w_gate_up_t = wgut.ptr;
+  a.w_gate_up_t_scales = wguts.ptr;
+  a.dy_codes = dyq.ptr;
+  a.dy_scales = dys.ptr;
+  a.dgu_codes = dguq.ptr;
+  a.dgu_scales = dgus.ptr;
+  ASSERT_EQ(cuda::can_implement(a), "");
+
+  std::vector<uint16_t> first_dx;
+  std::vector<float> first_rw, first_g, first_u, first_d;
+  for (int run = 0; run < 4; ++run) {
+    b.num_sms = run == 3 ? 3 : 0;  // the last run on 3 CTAs: many tiles each
+    ddgu.poison();
+    dhw.poison();
+    ddx.poison();
+    dd_rw.poison();
+    dWg.poison();
+    dWu.poison();
+    dWd.poison();
+    cuda::experts_dgrad_fp8(a, nullptr);
+    cuda::experts_wgrad(b, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(dstatus.download()[0], 0);
+    auto dxv = ddx.download();
+    auto drwv = dd_rw.download(), g = dWg.download(), u = dWu.download(), d = dWd.download();
+    if (run == 0) {
+      const auto dx_f = from_bits(dxv);
+      const std::vector<float> dx_m(dx_f.begin(), dx_f.begin() + M * H), rw_m(drwv.begin(), drwv.begin() + M);
+      const Comparison cx = compare(dx_m, dx_ref), cw = compare(rw_m, drw_ref), cg = compare(g, dwg_ref),
+                       cu = compare(u, dwu_ref), cd = compare(d, dwd_ref);
+      EXPECT_TRUE(cx.within(2e-2)) << cx.describe("dx");
+      EXPECT_TRUE(cw.within(1e-2)) << cw.describe("d_row_weight");
+      EXPECT_TRUE(cg.within(1e-2)) << cg.describe("dW_gate");
+      EXPECT_TRUE(cu.within(1e-2)) << cu.describe("dW_up");
+      EXPECT_TRUE(cd.within(1e-2)) << cd.describe("dW_down");
+      std::printf("[ fp8 dgrad %s ] rel error dx %.2e d_row_weight %.2e dW_gate %.2e dW_up %.2e dW_down %.2e\n", c.name,
+                  cx.rel_error, cw.rel_error, cg.rel_error, cu.rel_error, cd.rel_error);
+      for (int64_t r = M; r < capacity; ++r) {  // past the experts: nothing written
+        for (int64_t j = 0; j < H; ++j) ASSERT_EQ(dxv[size_t(r * H + j)], 0xffff) << "dx row " << r;
+        ASSERT_TRUE(std::isnan(drwv[size_t(r)])) << "d_row_weight row " << r;
+      }
+      first_dx = std::move(dxv);
+      first_rw = std::move(drwv);
+      first_g = std::move(g);
+      first_u = std::move(u);
+      first_d = std::move(d);
+    } else {
+      EXPECT_EQ(first_bit_difference(dxv, first_dx), -1) << "dx differs in run " << run;
+      EXPECT_EQ(first_bit_difference(drwv, first_rw), -1) << "d_row_weight differs in run " << run;
+      EXPECT_EQ(first_bit_difference(g, first_g), -1) << "dW_gate differs in run " << run;
+      EXPECT_EQ(first_bit_difference(u, first_u), -1) << "dW_up differs in run " << run;
+      EXPECT_EQ(first_bit_difference(d, first_d), -1) << "dW_down differs in run " << run;
+    }
+  }
+  a.dy_codes = nullptr;
+  EXPECT_NE(cuda::can_implement(a).find("dy_codes"), std::string::npos);
+  EXPECT_THROW(cuda::experts_dgrad_fp8(a, nullptr), std::invalid_argument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsDgrad,
+                         ::testing::Values(Fp8ForwardCase{"small", 256, 256, {130, 0, 300}, std::nullopt},
+                                           Fp8ForwardCase{"clamped", 512, 384, {77, 200}, 0.75f},
+                                           Fp8ForwardCase{"four_experts", 512, 256, {1, 129, 256, 40}, std::nullopt}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace mok

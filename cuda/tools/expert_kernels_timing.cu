@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/cuda/expert_kernels.h"
@@ -17,6 +18,19 @@
 #include "timing_util.h"
 
 namespace {
+
+// The mean times of two calls over 4 rounds, alternating which runs first (the clocks drift
+// under the power cap).
+template <class A, class B>
+std::pair<float, float> alternating_ms(A a, B b, int iters) {
+  float ta = 0, tb = 0;
+  for (int r = 0; r < 4; ++r) {
+    if (r % 2 == 0) ta += time_ms(a, iters) / 4;
+    tb += time_ms(b, iters) / 4;
+    if (r % 2 == 1) ta += time_ms(a, iters) / 4;
+  }
+  return {ta, tb};
+}
 
 void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle_t blas) {
   const int64_t seg = (rows_per_expert + 127) / 128 * 128;
@@ -113,12 +127,8 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     f.y = y;
     f.status = status;
     a.gu = gu;
-    float t_fp8 = 0, t_bf16 = 0;
-    for (int r = 0; r < 4; ++r) {  // alternating which runs first
-      if (r % 2 == 0) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
-      t_bf16 += time_ms([&] { mok::cuda::experts_forward(a, nullptr); }, iters) / 4;
-      if (r % 2 == 1) t_fp8 += time_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters) / 4;
-    }
+    const auto [t_fp8, t_bf16] = alternating_ms([&] { mok::cuda::experts_forward_fp8(f, nullptr); },
+                                                [&] { mok::cuda::experts_forward(a, nullptr); }, iters);
     std::printf("    forward fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t_fp8, 3 * f_down / t_fp8 / 1e9, t_bf16, 3 * f_down / t_bf16 / 1e9, t_bf16 / t_fp8);
     for (void* q : {(void*)xq, (void*)wgq, (void*)wuq, (void*)wdq, (void*)hq, (void*)xs, (void*)wgs, (void*)wus, (void*)wds, (void*)hs})
@@ -206,6 +216,43 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
               "wgrad %7.3f ms %6.1f TF/s (K = %lld rows per expert)\n",
               t_dgrad, 6.0 * M * H * I / t_dgrad / 1e9, t_wgrad, 6.0 * M * H * I / t_wgrad / 1e9, t_wgrad_coop, c_wgrad,
               6.0 * M * H * I / c_wgrad / 1e9, (long long)seg);
+  // The fp8 dgrad (experts_dgrad_fp8) against the bf16 one, rounds alternating which runs first;
+  // the weights' transposes quantized once, outside the timing (dy's and dg|du's quantization
+  // inside: the launcher runs them between its GEMMs).
+  if (H % 128 == 0 && I % 128 == 0) {
+    uint8_t *wdt, *wgut, *dyq, *dguq;
+    float *wdts, *wguts, *dys, *dgus, *partial8;
+    CHECK_CUDA(cudaMalloc(&wdt, El * I * H));
+    CHECK_CUDA(cudaMalloc(&wgut, El * H * 2 * I));
+    CHECK_CUDA(cudaMalloc(&dyq, M * H));
+    CHECK_CUDA(cudaMalloc(&dguq, M * 2 * I));
+    CHECK_CUDA(cudaMalloc(&wdts, El * (I / 128) * (H / 128) * 4));
+    CHECK_CUDA(cudaMalloc(&wguts, El * (H / 128) * (2 * I / 128) * 4));
+    CHECK_CUDA(cudaMalloc(&dys, H / 128 * M * 4));
+    CHECK_CUDA(cudaMalloc(&dgus, 2 * I / 128 * M * 4));
+    CHECK_CUDA(cudaMalloc(&partial8, M * (I / 128) * 4));
+    mok::cuda::quantize_blocks_e4m3_transposed(wd, El, H, I, nullptr, nullptr, wdt, wdts, H, 0, nullptr);
+    mok::cuda::quantize_blocks_e4m3_transposed(wg, El, I, H, nullptr, nullptr, wgut, wguts, 2 * I, 0, nullptr);
+    mok::cuda::quantize_blocks_e4m3_transposed(wu, El, I, H, nullptr, nullptr, wgut, wguts, 2 * I, I, nullptr);
+    mok::cuda::ExpertsDgradFp8Args f8;
+    f8.base = b;
+    f8.base.dw_partial = partial8;
+    f8.w_down_t = wdt;
+    f8.w_down_t_scales = wdts;
+    f8.w_gate_up_t = wgut;
+    f8.w_gate_up_t_scales = wguts;
+    f8.dy_codes = dyq;
+    f8.dy_scales = dys;
+    f8.dgu_codes = dguq;
+    f8.dgu_scales = dgus;
+    const auto [t8, t16] = alternating_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); },
+                                          [&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
+    std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
+                t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
+    for (void* q : {(void*)wdt, (void*)wgut, (void*)dyq, (void*)dguq, (void*)wdts, (void*)wguts, (void*)dys,
+                    (void*)dgus, (void*)partial8})
+      cudaFree(q);
+  }
   for (void* q : {(void*)dgu, (void*)hw, (void*)dx, (void*)rw, (void*)partial, (void*)ddw, (void*)dWg, (void*)dWu, (void*)dWd})
     cudaFree(q);
   int32_t st = 0;

@@ -88,6 +88,47 @@ Quantized quantize(const float* x, int64_t rows, int64_t cols, int64_t block_row
   return q;
 }
 
+Quantized transpose(const Quantized& q) {
+  Quantized t;
+  t.rows = q.cols;
+  t.cols = q.rows;
+  t.block_rows = q.block_cols;
+  t.block_cols = q.block_rows;
+  t.codes.resize(q.codes.size());
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t c = 0; c < q.cols; ++c) t.codes[static_cast<size_t>(c * q.rows + r)] = q.codes[static_cast<size_t>(r * q.cols + c)];
+  t.scales.resize(q.scales.size());
+  for (int64_t rb = 0; rb < q.row_blocks(); ++rb)
+    for (int64_t cb = 0; cb < q.col_blocks(); ++cb)
+      t.scales[static_cast<size_t>(cb * q.row_blocks() + rb)] = q.scales[static_cast<size_t>(rb * q.col_blocks() + cb)];
+  return t;
+}
+
+Quantized concat_cols(const Quantized& a, const Quantized& b) {
+  MOK_REQUIRE(a.rows == b.rows && a.block_rows == b.block_rows && a.block_cols == b.block_cols,
+              "concat_cols: a is ", a.rows, " rows in ", a.block_rows, " x ", a.block_cols, " blocks, b ", b.rows,
+              " rows in ", b.block_rows, " x ", b.block_cols);
+  MOK_REQUIRE(a.cols % a.block_cols == 0, "concat_cols: a's ", a.cols, " columns are not whole ", a.block_cols,
+              "-wide blocks");
+  Quantized q;
+  q.rows = a.rows;
+  q.cols = a.cols + b.cols;
+  q.block_rows = a.block_rows;
+  q.block_cols = a.block_cols;
+  q.codes.resize(static_cast<size_t>(q.rows * q.cols));
+  q.scales.resize(static_cast<size_t>(q.row_blocks() * q.col_blocks()));
+  for (int64_t r = 0; r < q.rows; ++r) {
+    std::copy_n(a.codes.begin() + r * a.cols, a.cols, q.codes.begin() + r * q.cols);
+    std::copy_n(b.codes.begin() + r * b.cols, b.cols, q.codes.begin() + r * q.cols + a.cols);
+  }
+  for (int64_t rb = 0; rb < q.row_blocks(); ++rb) {
+    std::copy_n(a.scales.begin() + rb * a.col_blocks(), a.col_blocks(), q.scales.begin() + rb * q.col_blocks());
+    std::copy_n(b.scales.begin() + rb * b.col_blocks(), b.col_blocks(),
+                q.scales.begin() + rb * q.col_blocks() + a.col_blocks());
+  }
+  return q;
+}
+
 void gemm_nt(const Quantized& a, const Quantized& b, float* c) {
   MOK_REQUIRE(a.cols == b.cols, "gemm_nt: a has ", a.cols, " columns and b ", b.cols);
   MOK_REQUIRE(a.block_cols == kBlock && b.block_cols == kBlock, "gemm_nt: the k blocks must be ", kBlock,

@@ -149,18 +149,64 @@ void experts_forward(const MlpShape& shape, const ExpertsView<Real>& w,
   });
 }
 
+namespace {
+
+// The backward's two data-gradient GEMMs of one expert over its `rows` rows, unrounded:
+// dh [rows, I] = dy W_down and dx [rows, H] = [dg|du] [W_gate; W_up]. The bf16 form multiplies the
+// values as they are (cpu::gemm_nt); the fp8 form (Fp8DgradGemms) quantizes both operands.
 template <class Real>
-void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
-                      std::span<const int64_t> offsets, const Real* x, const Real* gu, const Real* h,
-                      const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
-                      Real* d_gate, Real* d_up, Real* d_down, Rounding rounding) {
+struct DgradGemms {
+  const MlpShape& shape;
+  const ExpertsView<Real>& w;
+  std::vector<Real> wt;  // one expert's transposed weights
+
+  void dh(int64_t e, int64_t rows, const Real* dy, Real* out) {
+    const int64_t H = shape.hidden, I = shape.intermediate;
+    // W_down [H,I] as its transpose [I,H].
+    wt.resize(static_cast<size_t>(I * H));
+    cpu::transpose(H, I, w.down + e * H * I, I, wt.data(), H);
+    cpu::gemm_nt(rows, I, H, dy, H, wt.data(), H, out, I);
+  }
+  void dx(int64_t e, int64_t rows, const Real* dgu, Real* out) {
+    const int64_t H = shape.hidden, I = shape.intermediate;
+    // B = [W_gate^T | W_up^T], [H, 2I].
+    wt.resize(static_cast<size_t>(H * 2 * I));
+    cpu::transpose(I, H, w.gate + e * I * H, H, wt.data(), 2 * I);
+    cpu::transpose(I, H, w.up + e * I * H, H, wt.data() + I, 2 * I);
+    cpu::gemm_nt(rows, H, 2 * I, dgu, 2 * I, wt.data(), 2 * I, out, H);
+  }
+};
+
+// Block-scaled e4m3: dy's and [dg|du]'s rows quantized 1 x 128 along K (H, then 2I), the weights'
+// transposes 128 x 128 (the forward's codes moved: fp8::transpose), fp8::gemm_nt.
+struct Fp8DgradGemms {
+  const MlpShape& shape;
+  const ExpertsView<float>& w;
+
+  void dh(int64_t e, int64_t rows, const float* dy, float* out) const {
+    const int64_t H = shape.hidden, I = shape.intermediate;
+    fp8::gemm_nt(fp8::quantize_activations(dy, rows, H),
+                 fp8::transpose(fp8::quantize_weights(w.down + e * H * I, H, I)), out);
+  }
+  void dx(int64_t e, int64_t rows, const float* dgu, float* out) const {
+    const int64_t H = shape.hidden, I = shape.intermediate;
+    const fp8::Quantized b = fp8::concat_cols(fp8::transpose(fp8::quantize_weights(w.gate + e * I * H, I, H)),
+                                              fp8::transpose(fp8::quantize_weights(w.up + e * I * H, I, H)));
+    fp8::gemm_nt(fp8::quantize_activations(dgu, rows, 2 * I), b, out);
+  }
+};
+
+template <class Real, class Gemms>
+void experts_backward_with(Gemms& gemms, const MlpShape& shape, const ExpertsView<Real>& w,
+                           std::span<const int64_t> offsets, const Real* x, const Real* gu, const Real* h,
+                           const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight, Real* d_gate,
+                           Real* d_up, Real* d_down, Rounding rounding) {
   require_offsets(offsets, w.count);
   const int64_t H = shape.hidden, I = shape.intermediate;
   const int64_t M = w.count == 0 ? 0 : offsets[w.count];
   std::vector<Real> dh(static_cast<size_t>(M * I));
   std::vector<Real> dgu(static_cast<size_t>(M * 2 * I));  // [dg|du] per row
   std::vector<Real> hw(static_cast<size_t>(M * I));
-  std::vector<Real> wt;    // one expert's transposed weights
   std::vector<Real> at, bt;  // transposed activations for wgrad: [width, rows]
   for (int64_t e = 0; e < w.count; ++e) {
     const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
@@ -173,11 +219,7 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
       std::fill(dd_e, dd_e + H * I, Real(0));
       continue;
     }
-    // dh = dy * W_down: W_down [H,I] as its transpose [I,H].
-    wt.resize(static_cast<size_t>(I * H));
-    cpu::transpose(H, I, w.down + e * H * I, I, wt.data(), H);
-    cpu::gemm_nt(rows, I, H, dy + m0 * H, H, wt.data(), H, dh.data() + m0 * I, I);
-
+    gemms.dh(e, rows, dy + m0 * H, dh.data() + m0 * I);
     // SwiGLU backward per row, from the saved (rounded) g and u.
     parallel_for(rows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -201,11 +243,7 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
       }
     });
 
-    // dx = [dg|du] * [W_gate; W_up]: B = [W_gate^T | W_up^T], [H, 2I].
-    wt.resize(static_cast<size_t>(H * 2 * I));
-    cpu::transpose(I, H, w.gate + e * I * H, H, wt.data(), 2 * I);
-    cpu::transpose(I, H, w.up + e * I * H, H, wt.data() + I, 2 * I);
-    cpu::gemm_nt(rows, H, 2 * I, dgu.data() + m0 * 2 * I, 2 * I, wt.data(), 2 * I, dx + m0 * H, H);
+    gemms.dx(e, rows, dgu.data() + m0 * 2 * I, dx + m0 * H);
 
     // Weight gradients: reductions over the expert's rows, in their (canonical) order.
     at.resize(static_cast<size_t>(2 * I * rows));
@@ -221,6 +259,30 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
   parallel_for(M * H, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dx[i] = store(dx[i], rounding);
   });
+}
+
+}  // namespace
+
+template <class Real>
+void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
+                      std::span<const int64_t> offsets, const Real* x, const Real* gu, const Real* h,
+                      const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
+                      Real* d_gate, Real* d_up, Real* d_down, Rounding rounding) {
+  DgradGemms<Real> gemms{shape, w, {}};
+  experts_backward_with(gemms, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up, d_down,
+                        rounding);
+}
+
+void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                                const float* x, const float* gu, const float* h, const float* dy,
+                                const float* row_weight, float* dx, float* d_row_weight, float* d_gate, float* d_up,
+                                float* d_down) {
+  MOK_REQUIRE(shape.hidden % fp8::kBlock == 0 && shape.intermediate % fp8::kBlock == 0,
+              "experts_backward_fp8_dgrad needs hidden and intermediate multiples of 128 (whole scale blocks), got ",
+              shape.hidden, " and ", shape.intermediate);
+  Fp8DgradGemms gemms{shape, w};
+  experts_backward_with(gemms, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up, d_down,
+                        Rounding::bf16);
 }
 
 template <class Real>

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "mok/core/bf16.h"
 #include "mok/core/error.h"
 #include "mok/core/fp8.h"
 #include "mok/core/reference.h"
@@ -129,6 +130,52 @@ TEST(Fp8, QuantizedValuesAreWithinHalfAStepOfTheInput) {
   }
 }
 
+// The backward's W^T operands: quantizing the transposed weights with transposed blocks gives the
+// forward's codes and scales, moved (a block's scale depends only on its set of values), with
+// partial blocks at both edges; and [a | b] puts b's codes and scales after a's.
+TEST(Fp8, TransposedQuantizationIsTheForwardCodesMoved) {
+  const int64_t rows = 300, cols = 200;  // 3 x 2 weight blocks, the last ones partial
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> w(rows * cols), wt(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      w[r * cols + c] = normal(rng) * std::ldexp(1.0f, int((r / 128 + 2 * (c / 128)) % 5) - 2);
+      wt[c * rows + r] = w[r * cols + c];
+    }
+  const Quantized q = quantize_weights(w.data(), rows, cols), t = transpose(q);
+  const Quantized direct = quantize_weights(wt.data(), cols, rows);
+  ASSERT_EQ(t.rows, cols);
+  ASSERT_EQ(t.cols, rows);
+  EXPECT_EQ(t.codes, direct.codes);
+  EXPECT_EQ(t.scales, direct.scales);
+  for (int64_t r = 0; r < rows; r += 37)
+    for (int64_t c = 0; c < cols; c += 11) ASSERT_EQ(t.value(c, r), q.value(r, c));
+  EXPECT_NE(q.scales[0], q.scales[1]) << "blocks of different magnitudes (else a moved scale would go unnoticed)";
+  // Activations (1 x 128): a transposed activation matrix has 128 x 1 blocks.
+  const Quantized a = quantize_activations(w.data(), rows, cols), at = transpose(a);
+  EXPECT_EQ(at.block_rows, kBlock);
+  EXPECT_EQ(at.block_cols, 1);
+  EXPECT_EQ(at.codes, quantize(wt.data(), cols, rows, kBlock, 1).codes);
+  EXPECT_EQ(at.scales, quantize(wt.data(), cols, rows, kBlock, 1).scales);
+
+  // w's columns [0, 128) and [128, 200) quantized apart, then put side by side: whole blocks on
+  // the left, so the concatenation is the whole matrix's quantization.
+  std::vector<float> left_part(rows * 128), right_part(rows * 72);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) (c < 128 ? left_part[r * 128 + c] : right_part[r * 72 + c - 128]) = w[r * cols + c];
+  const Quantized left = quantize_weights(left_part.data(), rows, 128);
+  const Quantized both = concat_cols(left, quantize_weights(right_part.data(), rows, 72));
+  EXPECT_EQ(both.codes, q.codes);
+  EXPECT_EQ(both.scales, q.scales);
+  try {
+    (void)concat_cols(quantize_weights(right_part.data(), rows, 72), left);
+    FAIL() << "a left matrix of a partial block must be refused";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not whole"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Fp8, BlockScaledGemmPromotesEachKBlockInOrder) {
   const int64_t M = 9, N = 130, K = 384;  // 3 k-blocks, 2 weight row blocks (the last partial)
   std::mt19937 rng(13);
@@ -203,6 +250,64 @@ TEST(Fp8, ExpertsForwardIsTheBf16FormWhereE4m3IsExact) {
   const ref::MlpShape odd{H, 192, std::nullopt};  // not whole scale blocks
   std::vector<float> out(M * 2 * 192);
   EXPECT_THROW(ref::experts_forward_fp8(odd, view, offsets, x.data(), out.data(), out.data(), out.data()),
+               InvalidArgument);
+}
+
+// The planned fp8 dgrad's oracle (reference.h: experts_backward_fp8_dgrad). On dy and weights that
+// e4m3 holds exactly under their block scales, dh's k-block sums are exact, so everything computed
+// from dh (dg|du, w*h, d_row_weight) and the weight gradients are experts_backward's at bf16 bit
+// for bit; dx differs only by dg|du's quantization (e4m3's 3 mantissa bits).
+TEST(Fp8, BackwardDgradIsTheBf16FormWhereE4m3IsExact) {
+  const int64_t H = 256, I = 128, El = 3;
+  const std::vector<int64_t> offsets{0, 6, 6, 19};  // an empty expert between two
+  const int64_t M = offsets.back();
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> small(-4, 4), tiny(-2, 2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(M * H), dy(M * H), rw(M), wg(El * I * H), wu(El * I * H), wd(El * H * I);
+  for (float& v : x) v = round_to_bf16(normal(rng));
+  for (float& v : dy) v = float(small(rng));
+  for (int64_t m = 0; m < M; ++m) rw[m] = m % 3 == 0 ? 0.5f : 0.125f;
+  for (auto* w : {&wg, &wu, &wd})
+    for (float& v : *w) v = float(tiny(rng)) / 16.0f;
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  for (const std::optional<float> limit : {std::optional<float>{}, std::optional<float>{1.5f}}) {
+    const ref::MlpShape shape{H, I, limit};
+    std::vector<float> gu(M * 2 * I), h(M * I), y(M * H);
+    ref::experts_forward(shape, view, offsets, x.data(), gu.data(), h.data(), y.data(), ref::Rounding::bf16);
+    struct Grads {
+      std::vector<float> dx, dw, dg, du, dd;
+    };
+    const auto run = [&](bool fp8) {
+      Grads g{std::vector<float>(M * H), std::vector<float>(M), std::vector<float>(El * I * H),
+              std::vector<float>(El * I * H), std::vector<float>(El * H * I)};
+      if (fp8) {
+        ref::experts_backward_fp8_dgrad(shape, view, offsets, x.data(), gu.data(), h.data(), dy.data(), rw.data(),
+                                        g.dx.data(), g.dw.data(), g.dg.data(), g.du.data(), g.dd.data());
+      } else {
+        ref::experts_backward(shape, view, offsets, x.data(), gu.data(), h.data(), dy.data(), rw.data(), g.dx.data(),
+                              g.dw.data(), g.dg.data(), g.du.data(), g.dd.data(), ref::Rounding::bf16);
+      }
+      return g;
+    };
+    const Grads f = run(true), b = run(false);
+    EXPECT_EQ(f.dw, b.dw) << "d_row_weight";
+    EXPECT_EQ(f.dg, b.dg) << "dW_gate";
+    EXPECT_EQ(f.du, b.du) << "dW_up";
+    EXPECT_EQ(f.dd, b.dd) << "dW_down";
+    double err = 0.0, norm = 0.0;
+    for (int64_t i = 0; i < M * H; ++i) {
+      err += double(f.dx[i] - b.dx[i]) * (f.dx[i] - b.dx[i]);
+      norm += double(b.dx[i]) * b.dx[i];
+    }
+    ASSERT_GT(norm, 0.0);
+    EXPECT_LT(std::sqrt(err / norm), 0.06);
+    EXPECT_GT(err, 0.0) << "dg|du's quantization changed nothing: the check of dx cannot tell the paths apart";
+  }
+  const ref::MlpShape odd{H, 192, std::nullopt};  // not whole scale blocks
+  std::vector<float> out(M * 2 * 192 * El);
+  EXPECT_THROW(ref::experts_backward_fp8_dgrad(odd, view, offsets, x.data(), out.data(), out.data(), dy.data(),
+                                               rw.data(), out.data(), out.data(), out.data(), out.data(), out.data()),
                InvalidArgument);
 }
 

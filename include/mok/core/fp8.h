@@ -61,6 +61,13 @@ inline Quantized quantize_weights(const float* w, int64_t rows, int64_t cols) {
   return quantize(w, rows, cols, kBlock, kBlock);
 }
 
+// q^T: codes [cols, rows] and each block's scale at its transposed place. A block's scale
+// depends only on the set of values in it, so quantize(x^T) with transposed blocks is transpose(
+// quantize(x)) exactly: the backward's W^T operands are the forward's weight codes, moved.
+Quantized transpose(const Quantized& q);
+// [a | b]: the columns of b after a's (the same rows and block shape; a's columns whole blocks).
+Quantized concat_cols(const Quantized& a, const Quantized& b);
+
 // c [a.rows, b.rows] = a b^T of two quantized matrices with the same cols, blocked along k by
 // kBlock (a's and b's column blocks must both be kBlock wide): for each k-block in order,
 // acc = acc + (float(exact sum of the block's code products) * a's scale) * b's scale, in fp32.

@@ -73,6 +73,18 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
                       const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
                       Real* d_gate, Real* d_up, Real* d_down, Rounding rounding);
 
+// experts_backward with block-scaled e4m3 data gradients (the planned fp8 dgrad; not a layer
+// precision yet, and no GPU kernel yet): dh = fp8::gemm_nt(dy rows quantized 1 x 128, W_down^T
+// quantized 128 x 128) and dx = fp8::gemm_nt([dg|du] rows quantized 1 x 128 along 2I,
+// [W_gate^T | W_up^T] quantized 128 x 128), the weights' transposes being the forward's codes
+// moved (fp8::transpose); the SwiGLU backward (from dh in fp32), d_row_weight and the weight
+// gradients as experts_backward computes them, at Rounding::bf16. hidden and intermediate are
+// multiples of 128; dy and dg|du finite.
+void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                                const float* x, const float* gu, const float* h, const float* dy,
+                                const float* row_weight, float* dx, float* d_row_weight, float* d_gate, float* d_up,
+                                float* d_down);
+
 // Dispatch by the schedule: rows[i] = src[row.src_rank][row.src_slot / k] (width `width`), or
 // zeros for padding. src holds one pointer per rank.
 template <class Real>

@@ -10,6 +10,8 @@
 #include <optional>
 #include <string>
 
+#include "mok/cuda/expert_kernels.h"
+
 namespace mok::cuda {
 
 // x [rows, cols] bf16 (row stride `cols`, finite values: the layer's finiteness scan runs first)
@@ -36,6 +38,17 @@ void preload_fp8_kernels();
 // Asynchronous on `stream`; the same errors as quantize_rows_e4m3.
 void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                           cudaStream_t stream);
+// quantize_blocks_e4m3 that also writes each plane's transpose (the fp8 dgrad's B operands: a
+// 128 x 128 block's scale is its transpose's, so W^T's codes are W's, moved; mok/core/fp8.h:
+// transpose): codes_t [planes, cols, ld_t] with plane p's W^T in columns [offset_t, offset_t + rows)
+// of each of its rows, scales_t [planes, ceil(cols / 128), ld_t / 128] with its blocks from column
+// block offset_t / 128. Two calls with offset_t 0 and I into one [El, H, 2I] buffer write
+// [W_gate^T | W_up^T] (mok/core/fp8.h: concat_cols). ld_t and offset_t are multiples of 128,
+// offset_t + rows <= ld_t; columns past a plane's rows are not written. codes and scales as
+// quantize_blocks_e4m3 (both null: not written).
+void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes,
+                                     float* scales, uint8_t* codes_t, float* scales_t, int64_t ld_t, int64_t offset_t,
+                                     cudaStream_t stream);
 
 // The routed experts' forward with block-scaled e4m3 GEMMs (Precision::fp8_block), on rows
 // grouped by expert as ExpertsForwardArgs (expert_kernels.h): g|u = x W_gate^T | x W_up^T with each
@@ -77,5 +90,29 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream)
 // Its first GEMM alone: g|u (when gu is set) and h, the same bits as experts_forward_fp8 writes
 // them (the fp8 forward's replay: MoeBackwardArgs::replay with fp8_forward).
 void experts_gate_up_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream);
+
+// The planned fp8 dgrad (not a layer precision yet; its oracle is mok/core/reference.h:
+// experts_backward_fp8_dgrad): dy's rows quantized 1 x 128, dh = dy W_down on block-scaled e4m3
+// (W_down^T's codes) with the SwiGLU backward in the epilogue (dg|du, w*h and d row weight, as the
+// bf16 kernels compute them from dh, with one d topk_w partial per 128 columns), then dg|du's
+// rows quantized 1 x 128 and dx = [dg|du] [W_gate; W_up] on e4m3 ([W_gate^T | W_up^T]'s codes).
+// The weight gradients stay bf16: experts_wgrad(base) after it reads dg|du and w*h from base.
+// hidden and intermediate are multiples of 128, row_capacity of 4.
+struct ExpertsDgradFp8Args {
+  // Its bf16 weights are not read; dw_partial has I / 128 columns here; d_w_* are experts_wgrad's.
+  ExpertsBackwardArgs base;
+  const uint8_t* w_down_t = nullptr;          // [El, I, H] e4m3 (quantize_blocks_e4m3_transposed of W_down)
+  const float* w_down_t_scales = nullptr;     // [El, I / 128, H / 128]
+  const uint8_t* w_gate_up_t = nullptr;       // [El, H, 2I] e4m3: [W_gate^T | W_up^T]
+  const float* w_gate_up_t_scales = nullptr;  // [El, H / 128, 2I / 128]
+  uint8_t* dy_codes = nullptr;                // [row_capacity, H] scratch
+  float* dy_scales = nullptr;                 // [H / 128, row_capacity] scratch
+  uint8_t* dgu_codes = nullptr;               // [row_capacity, 2I] scratch
+  float* dgu_scales = nullptr;                // [2I / 128, row_capacity] scratch
+};
+std::string can_implement(const ExpertsDgradFp8Args& args);
+// Asynchronous on stream; throws std::invalid_argument naming what can_implement reports. Rows
+// at or past offsets[El] are not touched.
+void experts_dgrad_fp8(const ExpertsDgradFp8Args& args, cudaStream_t stream);
 
 }  // namespace mok::cuda

@@ -328,8 +328,11 @@ struct SwiGluBackwardParams {
 };
 
 // kRows: the tile's rows (128: both consumer warpgroups, 256 threads; 64: one warpgroup,
-// ping-pong). Either way a thread takes half a row (row = thread / 2).
-template <int kRows>
+// ping-pong). Either way a thread takes half a row (row = thread / 2). kCols: the tile's columns
+// (256: the bf16 GEMMs' 64 x 256 fragment per warpgroup; 128: the fp8 GEMM's 64 x 128), each
+// column tile one d topk_w partial; the fragments' values [16c, 16c + 16) are columns [32c, 32c +
+// 32) either way.
+template <int kRows, int kCols = GemmConfig::kBlockN>
 struct SwiGluBackwardEpilogueOf {
   using Params = SwiGluBackwardParams;
 
@@ -425,7 +428,7 @@ struct SwiGluBackwardEpilogueOf {
   template <class Acc, class Coords>
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
-    static_assert(cute::size(Acc{}) == 128, "a 64x256 fragment per consumer thread");
+    static_assert(cute::size(Acc{}) == kCols / 2, "a 64 x kCols fragment per consumer thread");
     const int seg_row = thread / 2;          // this thread's row of the tile
     const int seg_col = (thread % 2) * 16;   // and its 16 columns of each 32-column chunk
     const int64_t row = int64_t(t.m_block) * kRows + seg_row;
@@ -433,7 +436,7 @@ struct SwiGluBackwardEpilogueOf {
     float partial = 0.0f;
     // Two 32-column chunks per round, one per staging tile: the accumulator values of a round are
     // dead once written, which keeps the thread under its register budget.
-    static_for<4>([&](auto round_) {
+    static_for<kCols / 64>([&](auto round_) {
       constexpr int round = decltype(round_)::value;
       epilogue_sync<kRows>();  // every thread is done reading the staging tiles of the previous round
       static_for<2>([&](auto b_) {
@@ -450,8 +453,8 @@ struct SwiGluBackwardEpilogueOf {
         });
       });
       epilogue_sync<kRows>();
-      partial = read_back_round(p, staging, row, int64_t(t.n_block) * 256 + 64 * round + seg_col, seg_row, seg_col, w,
-                                partial);
+      partial = read_back_round(p, staging, row, int64_t(t.n_block) * kCols + 64 * round + seg_col, seg_row, seg_col,
+                                w, partial);
     });
     // The row's two threads (adjacent lanes) hold its two column halves: add them in a fixed order.
     const float other = __shfl_xor_sync(0xffffffffu, partial, 1);

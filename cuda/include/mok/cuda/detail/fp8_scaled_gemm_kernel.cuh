@@ -13,8 +13,12 @@
 //   warpgroups 1, 2: consumers, 64 rows x 128 columns each: a k-block's wgmma into a zeroed
 //     temporary, then acc += tmp * (sa * sb). Two 64 x 128 fragments are 128 registers, as the
 //     bf16 kernels' one 64 x 256 fragment; the tile is 128 x 128.
-// Two forms (kGateUp):
-//   store (the down projection): b one 128-row block of W[e], out[r, n] = bf16(acc), two chunks.
+// Three forms (kGateUp, kSwiGluBackward):
+//   store (the down projection; the fp8 dgrad's dx): b one 128-row block of W[e], out[r, n] =
+//     bf16(acc), two chunks.
+//   SwiGLU backward (kSwiGluBackward; the fp8 dgrad's dh = dy W_down, b = W_down^T's codes): b as
+//     the store form's, the epilogue the bf16 kernels' SwiGluBackwardEpilogueOf on a 128-column
+//     tile (dg|du, w*h and one d topk_w partial per 128 columns).
 //   gate|up (kGateUp): b's rows 0-63 are W_gate[e]'s rows [64n, 64n + 64) and rows 64-127 W_up[e]'s
 //     same rows, each with its own weight scale (a 64-row block lies in one 128 x 128 scale
 //     block); the epilogue pairs column c with c + 64 (accumulator values i and i + 32 of a
@@ -203,6 +207,7 @@ struct Fp8ScaledGemmParams {
   int b_scale_rows;            // ceil(n / 128)
   const int32_t* offsets;      // [experts + 1], 128-row aligned
   int32_t* status;
+  SwiGluBackwardParams swiglu_backward{};  // the SwiGLU backward form's outputs and saved rows
 };
 
 // The store form's parameters: out[rows, n] = bf16 of a [rows, k] (row scales a_scales
@@ -245,9 +250,10 @@ struct Fp8ScaledGemmSharedStorage {
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
 };
 
-template <bool kGateUp>
+template <bool kGateUp, bool kSwiGluBackward = false>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     fp8_scaled_gemm_kernel(const __grid_constant__ Fp8ScaledGemmParams p) {
+  static_assert(!(kGateUp && kSwiGluBackward), "one form");
   using Config = Fp8GemmConfig;
   using Pipeline = Config::Pipeline;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -330,6 +336,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if constexpr (kGateUp) {
         fp8_swiglu_epilogue(smem.staging[0], chunk, p.out, p.g, p.u, p.save_gu, p.has_limit, p.limit, acc, tCcC,
                             t.m_block, t.m_block, t.n_block, thread);
+      } else if constexpr (kSwiGluBackward) {
+        // (No bulk store in this form: the staging tiles are free of them.)
+        SwiGluBackwardEpilogueOf<Config::kBlockM, Config::kBlockN>::apply(p.swiglu_backward, t, acc, tCcC, thread,
+                                                                          smem.staging[0]);
       } else {
         // bf16 out, 64 columns a chunk (values [32c, 32c + 32) of the fragment).
         static_for<2>([&](auto c_) {
