@@ -249,6 +249,18 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
                                           [&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
     std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
+    // Where the fp8 dgrad's time goes: its two activation quantizations alone (the rest is the
+    // two GEMMs and the d row weight's reduction), with the bytes each moves.
+    const float t_qdy = time_ms([&] {
+      mok::cuda::quantize_rows_e4m3_k_major(y, M, H, dyq, dys, off + El, nullptr);
+    }, 10);
+    const float t_qdgu = time_ms([&] {
+      mok::cuda::quantize_rows_e4m3_k_major(dgu, M, 2 * I, dguq, dgus, off + El, nullptr);
+    }, 10);
+    std::printf("      of it: quantize dy %6.3f ms (%5.0f GB/s) | quantize dg|du %6.3f ms (%5.0f GB/s) | GEMMs and the rest "
+                "%6.3f ms (%6.1f TF/s)\n",
+                t_qdy, 3.0 * M * H / t_qdy / 1e6, t_qdgu, 6.0 * M * I / t_qdgu / 1e6, t8 - t_qdy - t_qdgu,
+                6.0 * M * H * I / (t8 - t_qdy - t_qdgu) / 1e9);
     for (void* q : {(void*)wdt, (void*)wgut, (void*)dyq, (void*)dguq, (void*)wdts, (void*)wguts, (void*)dys,
                     (void*)dgus, (void*)partial8})
       cudaFree(q);
