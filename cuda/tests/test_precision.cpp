@@ -191,42 +191,81 @@ TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
   // Rows of magnitudes from 2^-40 to 2^40 (tiny blocks lose values to e4m3's subnormals; huge ones
   // take large scales), an all-zero row, a row of one large value among small ones, exact 448s
-  // and negative zeros; 7168 + 80 columns, so the last block of a row is partial.
-  const int64_t rows = 83, cols = 7168 + 80;
-  Rng rng(0xf8a5ull);
-  std::vector<float> x = test::random_bf16(rng, rows * cols);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      float& v = x[size_t(r * cols + c)];
-      v = r == 3 ? 0.0f : round_to_bf16(std::ldexp(v, int(r % 81) - 40));
-    }
-  x[size_t(5 * cols + 17)] = 10240.0f;  // exact in bf16 (1.25 * 2^13), as every input must be
-  x[size_t(6 * cols + 1)] = 448.0f;
-  x[size_t(6 * cols + 2)] = -448.0f;
-  x[size_t(7 * cols + 9)] = -0.0f;
-  const fp8::Quantized want = fp8::quantize_activations(x.data(), rows, cols);
+  // and negative zeros; 7168 + 80 columns, so the last block of a row is partial. Three forms of
+  // the quantizer: the vector one (columns a multiple of 8, x 16-byte aligned), and the scalar one
+  // for 7168 + 77 columns and for an x one element off 16-byte alignment.
+  struct Case {
+    int64_t cols, x_offset;
+  };
+  for (const Case c : {Case{7168 + 80, 0}, Case{7168 + 77, 0}, Case{7168 + 80, 1}}) {
+    SCOPED_TRACE("cols " + std::to_string(c.cols) + ", x offset " + std::to_string(c.x_offset));
+    const int64_t rows = 83, cols = c.cols;
+    Rng rng(0xf8a5ull + uint64_t(cols));
+    std::vector<float> x = test::random_bf16(rng, rows * cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t col = 0; col < cols; ++col) {
+        float& v = x[size_t(r * cols + col)];
+        v = r == 3 ? 0.0f : round_to_bf16(std::ldexp(v, int(r % 81) - 40));
+      }
+    x[size_t(5 * cols + 17)] = 10240.0f;  // exact in bf16 (1.25 * 2^13), as every input must be
+    x[size_t(6 * cols + 1)] = 448.0f;
+    x[size_t(6 * cols + 2)] = -448.0f;
+    x[size_t(7 * cols + 9)] = -0.0f;
+    const fp8::Quantized want = fp8::quantize_activations(x.data(), rows, cols);
+    const int64_t col_blocks = want.col_blocks();
 
-  DeviceBuffer<uint16_t> dx(x.size());
-  DeviceBuffer<uint8_t> dcodes(want.codes.size());
-  DeviceBuffer<float> dscales(want.scales.size());
-  ASSERT_NE(dx.ptr, nullptr);
-  dx.upload(test::to_bits(x));
-  for (int run = 0; run < 2; ++run) {
+    std::vector<float> padded(size_t(c.x_offset), 0.0f);
+    padded.insert(padded.end(), x.begin(), x.end());
+    DeviceBuffer<uint16_t> dx(padded.size());
+    DeviceBuffer<uint8_t> dcodes(want.codes.size());
+    DeviceBuffer<float> dscales(want.scales.size());
+    DeviceBuffer<int32_t> drows_used(1);
+    ASSERT_NE(dx.ptr, nullptr);
+    ASSERT_NE(drows_used.ptr, nullptr);
+    dx.upload(test::to_bits(padded));
+    const uint16_t* xp = dx.ptr + c.x_offset;
+    for (int run = 0; run < 2; ++run) {
+      dcodes.poison(0xaa);
+      dscales.poison();
+      cuda::quantize_rows_e4m3(xp, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> codes = dcodes.download();
+      const std::vector<float> scales = dscales.download();
+      for (size_t i = 0; i < want.scales.size(); ++i)
+        ASSERT_EQ(std::memcmp(&scales[i], &want.scales[i], sizeof(float)), 0)
+            << "scale of row " << i / col_blocks << " block " << i % col_blocks << ": " << scales[i] << " against "
+            << want.scales[i];
+      for (size_t i = 0; i < want.codes.size(); ++i)
+        ASSERT_EQ(codes[i], want.codes[i]) << "row " << i / cols << " column " << i % cols << " (x " << x[i] << ")";
+    }
+    // k-major scales with rows_used: the first 50 rows as above (scales transposed), the rest untouched.
+    const int32_t used = 50;
+    drows_used.upload(std::vector<int32_t>{used});
     dcodes.poison(0xaa);
     dscales.poison();
-    cuda::quantize_rows_e4m3(dx.ptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+    cuda::quantize_rows_e4m3_k_major(xp, rows, cols, dcodes.ptr, dscales.ptr, drows_used.ptr, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint8_t> codes = dcodes.download();
     const std::vector<float> scales = dscales.download();
-    for (size_t i = 0; i < want.scales.size(); ++i)
-      ASSERT_EQ(std::memcmp(&scales[i], &want.scales[i], sizeof(float)), 0)
-          << "scale of row " << i / want.col_blocks() << " block " << i % want.col_blocks() << ": " << scales[i]
-          << " against " << want.scales[i];
-    for (size_t i = 0; i < want.codes.size(); ++i)
-      ASSERT_EQ(codes[i], want.codes[i]) << "row " << i / cols << " column " << i % cols << " (x " << x[i] << ")";
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t cb = 0; cb < col_blocks; ++cb) {
+        const float got = scales[size_t(cb * rows + r)];
+        if (r < used)
+          ASSERT_EQ(std::memcmp(&got, &want.scales[size_t(r * col_blocks + cb)], sizeof(float)), 0)
+              << "k-major scale of row " << r << " block " << cb;
+        else
+          ASSERT_TRUE(std::isnan(got)) << "k-major scale of unused row " << r << " block " << cb << " written";
+      }
+      for (int64_t col = 0; col < cols; ++col)
+        ASSERT_EQ(codes[size_t(r * cols + col)], r < used ? want.codes[size_t(r * cols + col)] : uint8_t{0xaa})
+            << "k-major code of row " << r << " column " << col;
+    }
   }
-  EXPECT_THROW(cuda::quantize_rows_e4m3(dx.ptr, -1, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
-  EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, rows, cols, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
+  DeviceBuffer<uint16_t> dx(16);
+  DeviceBuffer<uint8_t> dcodes(16);
+  DeviceBuffer<float> dscales(1);
+  EXPECT_THROW(cuda::quantize_rows_e4m3(dx.ptr, -1, 16, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, 1, 16, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
 }
 
 TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
