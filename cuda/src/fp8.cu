@@ -15,6 +15,7 @@ namespace mok::cuda {
 namespace {
 
 using detail::fp8_code;
+using detail::fp8_code2;
 using detail::fp8_scale_exponent;
 
 constexpr int kBlock = 128;                 // columns a scale covers (mok/core/fp8.h: kBlock)
@@ -52,85 +53,65 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_
 }
 
 // The fast form of quantize_rows_kernel, for cols % 8 == 0 with x 16-byte and codes 8-byte
-// aligned (the other forms take quantize_rows_kernel). 16 lanes take one 128-column block of a row,
-// 8 columns each (one 16-byte load, one 8-byte store); a CTA's 256 threads take 16 blocks at a
-// time, kRowsUnroll rounds of loads in flight, and the grid (a few CTAs per SM) strides over the
-// blocks in row-major order, so HBM is read as one stream. The same arithmetic as
-// quantize_rows_kernel, so the same bits. (Session 22 measured the one-warp-per-block form at
-// ~1.45 TB/s: 4 two-byte loads and 4 one-byte stores a lane, 8 blocks per CTA.)
+// aligned (the other forms take quantize_rows_kernel). A warp takes whole rows (the grid strides
+// over them): each half-warp one 128-column block at a time, 8 columns a lane (one 16-byte load,
+// one 8-byte store), kVecUnroll blocks' loads in flight; no division, so few registers and full
+// occupancy. The same arithmetic as quantize_rows_kernel, so the same bits. (Session 22 measured
+// the one-warp-per-block form at ~1.45 TB/s: 4 two-byte loads and 4 one-byte stores a lane.)
 constexpr int kVecCols = 8;
 constexpr int kLanesPerBlock = kBlock / kVecCols;
 constexpr int kVecThreads = 256;
-constexpr int kVecGroups = kVecThreads / kLanesPerBlock;
-constexpr int kRowsUnroll = 4;
+constexpr int kVecUnroll = 4;
 
 __global__ void __launch_bounds__(kVecThreads)
     quantize_rows_vec_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
                              uint8_t* __restrict__ codes, float* __restrict__ scales, bool k_major,
                              const int32_t* __restrict__ rows_used) {
-  const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
+  const int col_blocks = int((cols + kBlock - 1) / kBlock);
+  const int pairs = (col_blocks + 1) / 2;  // a warp's steps along a row
   int64_t row_limit = rows;
   if (rows_used != nullptr) row_limit = min(rows, max(int64_t{0}, int64_t{*rows_used}));
-  const int sub = threadIdx.x % kLanesPerBlock;
-  // A block is (row, cb), stepped by the grid's stride without dividing (64-bit divisions per
-  // 16 bytes would cost more issue slots than the loads).
-  const int64_t stride = int64_t(gridDim.x) * kVecGroups;
-  const int64_t stride_rows = stride / col_blocks, stride_cbs = stride % col_blocks;
-  auto step = [&](int64_t& row, int64_t& cb) {
-    row += stride_rows;
-    cb += stride_cbs;
-    if (cb >= col_blocks) {
-      cb -= col_blocks;
-      ++row;
-    }
-  };
-  const int64_t first = int64_t(blockIdx.x) * kVecGroups + threadIdx.x / kLanesPerBlock;
-  int64_t row0 = first / col_blocks, cb0 = first % col_blocks;
-  // The CTA's first block bounds the loop (every lane of a warp stays for the shuffles); a block
-  // past the end is loaded as zeros and not stored.
-  int64_t cta_row = int64_t(blockIdx.x) * kVecGroups / col_blocks;
-  int64_t cta_cb = int64_t(blockIdx.x) * kVecGroups % col_blocks;
-  while (cta_row < row_limit) {
-    uint4 raw[kRowsUnroll];
-    int64_t row = row0, cb = cb0;
+  const int half = threadIdx.x / kLanesPerBlock % 2, sub = threadIdx.x % kLanesPerBlock;
+  const int64_t warps = int64_t(gridDim.x) * (kVecThreads / 32);
+  // Every bound below is the warp's, so all its lanes reach the shuffles.
+  for (int64_t row = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) / 32; row < row_limit; row += warps) {
+    const __nv_bfloat16* xr = x + row * cols;
+    uint8_t* cr = codes + row * cols;
+    for (int p0 = 0; p0 < pairs; p0 += kVecUnroll) {
+      uint4 raw[kVecUnroll];
 #pragma unroll
-    for (int u = 0; u < kRowsUnroll; ++u) {
-      const int64_t c0 = cb * kBlock + sub * kVecCols;
-      raw[u] = row < row_limit && c0 < cols ? __ldg(reinterpret_cast<const uint4*>(x + row * cols + c0))
-                                            : make_uint4(0, 0, 0, 0);
-      step(row, cb);
-    }
-    row = row0;
-    cb = cb0;
-#pragma unroll
-    for (int u = 0; u < kRowsUnroll; ++u, step(row, cb)) {
-      const int64_t c0 = cb * kBlock + sub * kVecCols;
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-      float v[kVecCols];
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kVecCols / 2; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      for (int u = 0; u < kVecUnroll; ++u) {
+        const int64_t c0 = int64_t(2 * (p0 + u) + half) * kBlock + sub * kVecCols;
+        raw[u] = p0 + u < pairs && c0 < cols ? __ldg(reinterpret_cast<const uint4*>(xr + c0)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      if (row >= row_limit) continue;
-      const int e = fp8_scale_exponent(amax);
-      if (sub == 0) scales[k_major ? cb * rows + row : row * col_blocks + cb] = ldexpf(1.0f, e);
-      if (c0 >= cols) continue;
-      const float inv = ldexpf(1.0f, -e);
-      uint32_t packed[2] = {0, 0};
+      for (int u = 0; u < kVecUnroll; ++u) {
+        if (p0 + u >= pairs) break;
+        const int cb = 2 * (p0 + u) + half;
+        const int64_t c0 = int64_t(cb) * kBlock + sub * kVecCols;
+        const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+        float2 v[kVecCols / 2];
+        float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kVecCols; ++i) packed[i / 4] |= uint32_t(fp8_code(v[i], inv)) << (8 * (i % 4));
-      *reinterpret_cast<uint2*>(codes + row * cols + c0) = make_uint2(packed[0], packed[1]);
+        for (int i = 0; i < kVecCols / 2; ++i) {
+          v[i] = __bfloat1622float2(two[i]);
+          amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+        }
+#pragma unroll
+        for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        if (cb >= col_blocks) continue;
+        const int e = fp8_scale_exponent(amax);
+        if (sub == 0) scales[k_major ? cb * rows + row : row * col_blocks + cb] = ldexpf(1.0f, e);
+        if (c0 >= cols) continue;
+        const float inv = ldexpf(1.0f, -e);
+        uint32_t packed[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          packed[i] = uint32_t(fp8_code2(v[2 * i], inv)) | uint32_t(fp8_code2(v[2 * i + 1], inv)) << 16;
+        *reinterpret_cast<uint2*>(cr + c0) = make_uint2(packed[0], packed[1]);
+      }
     }
-    row0 = row;
-    cb0 = cb;
-    for (int u = 0; u < kRowsUnroll; ++u) step(cta_row, cta_cb);
   }
 }
 
@@ -271,13 +252,14 @@ static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t
   const bool vector = cols % kVecCols == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(codes) % 8 == 0;
   if (vector) {
-    int device = 0, sms = 0;
+    int device = 0, sms = 0, per_sm = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      throw std::runtime_error(std::string("mok ") + name + ": cannot read the device's SM count");
-    // Enough CTAs to fill every SM (8 of 256 threads each), fewer for small inputs.
-    const int64_t needed = (blocks + kVecGroups - 1) / kVecGroups;
-    const unsigned grid = unsigned(std::min<int64_t>(needed, int64_t{sms} * 8));
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_rows_vec_kernel, kVecThreads, 0) != cudaSuccess)
+      throw std::runtime_error(std::string("mok ") + name + ": cannot read the device's SM count and occupancy");
+    // One wave of as many CTAs as fit (a second, partial wave would double the time), fewer for few rows.
+    const int64_t needed = (rows + kVecThreads / 32 - 1) / (kVecThreads / 32);
+    const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{sms} * std::max(1, per_sm))));
     quantize_rows_vec_kernel<<<grid, kVecThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols,
                                                                codes, scales, k_major, rows_used);
   } else {
