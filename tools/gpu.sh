@@ -116,6 +116,9 @@ if has tests; then
 --preset small --ranks 4 --tokens 513 --routing uniform --runs 3 --precision fp8
 --preset small --ranks 1 --tokens 1000 --routing balanced --limit 7 --runs 2 --precision fp8
 --preset small --ranks 2 --tokens 0 --precision fp8
+--preset small --ranks 2 --tokens 300 --runs 3 --precision fp8_dgrad
+--preset small --ranks 1 --tokens 1000 --routing balanced --limit 7 --runs 2 --precision fp8_dgrad
+--preset small --ranks 4 --tokens 9 --routing one_expert --runs 2 --precision fp8_dgrad
 RUNS
   grep -A12 -m1 "^pass " "$LOGS/mok_run_cuda.log" | tee -a "$LOGS/summary.txt"
 fi

@@ -3,6 +3,7 @@
 // detail/fp8_scaled_gemm_kernel.cuh.
 #include <cuda_runtime.h>
 
+#include <array>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -175,6 +176,43 @@ void experts_dgrad_fp8(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
       detail::fp8_store_params(e4m3(a.dgu_codes), a.dgu_scales, e4m3(a.w_gate_up_t), a.w_gate_up_t_scales,
                                store_target(b.dx, R, H, H), rows, 2 * i, h, experts, b.expert_offsets, b.status);
   launch<false>(dx, b.num_sms, stream);
+}
+
+namespace {
+// The scratch's parts in order (bytes, each rounded up to 256): dy codes, dy scales, dg|du codes,
+// dg|du scales, d row weight partials.
+std::array<int64_t, 5> dgrad_scratch_parts(int64_t R, int64_t H, int64_t I) {
+  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  return {aligned(R * H), aligned(H / 128 * R * 4), aligned(R * 2 * I), aligned(2 * I / 128 * R * 4),
+          aligned(R * (I / 128) * 4)};
+}
+}  // namespace
+
+int64_t fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, int64_t intermediate) {
+  int64_t total = 0;
+  for (const int64_t part : dgrad_scratch_parts(row_capacity, hidden, intermediate)) total += part;
+  return total;
+}
+
+void wire_fp8_dgrad_scratch(ExpertsDgradFp8Args& a, void* scratch) {
+  const ExpertsBackwardArgs& b = a.base;
+  const auto parts = dgrad_scratch_parts(b.row_capacity, b.hidden, b.intermediate);
+  char* at = static_cast<char*>(scratch);
+  char* p[5];
+  for (int i = 0; i < 5; ++i) {
+    p[i] = scratch == nullptr ? nullptr : at;
+    at += parts[size_t(i)];
+  }
+  a.dy_codes = reinterpret_cast<uint8_t*>(p[0]);
+  a.dy_scales = reinterpret_cast<float*>(p[1]);
+  a.dgu_codes = reinterpret_cast<uint8_t*>(p[2]);
+  a.dgu_scales = reinterpret_cast<float*>(p[3]);
+  a.base.dw_partial = reinterpret_cast<float*>(p[4]);
+}
+
+void experts_backward_fp8_dgrad(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
+  experts_dgrad_fp8(a, stream);
+  experts_wgrad(a.base, stream);
 }
 
 }  // namespace mok::cuda

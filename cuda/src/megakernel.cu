@@ -874,6 +874,13 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.d_w_type = a.d_w_type;
   e.swiglu_limit = a.swiglu_limit;
   e.status = a.experts_status;
+  ExpertsDgradFp8Args e8;  // fp8_dgrad: the same backward with its data gradients on e4m3
+  e8.base = e;
+  e8.w_down_t = static_cast<const uint8_t*>(a.w_down_t_codes);
+  e8.w_down_t_scales = a.w_down_t_scales;
+  e8.w_gate_up_t = static_cast<const uint8_t*>(a.w_gate_up_t_codes);
+  e8.w_gate_up_t_scales = a.w_gate_up_t_scales;
+  wire_fp8_dgrad_scratch(e8, a.fp8_dgrad_scratch);
   ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks
   sc.shape = shape;
   sc.hidden = H;
@@ -892,7 +899,13 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.dx_shared = a.dx_shared;
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
   dg.dx = a.dx;
-  for (const std::string& why : {can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
+  std::string fp8_dgrad_problem;
+  if (a.fp8_dgrad) {
+    if (!a.fp8_forward) fp8_dgrad_problem = "fp8_dgrad is the backward of an fp8 forward (set fp8_forward)";
+    else if (a.fused) fp8_dgrad_problem = "fp8_dgrad runs on the stage kernels (fused = false): the backward megakernel is bf16";
+    else fp8_dgrad_problem = can_implement(e8);
+  }
+  for (const std::string& why : {fp8_dgrad_problem, can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
                                  can_implement(dg), pulls_x ? can_implement(gx) : "",
                                  a.replay && !fp8_replay ? can_implement(f) : "",
                                  fp8_replay ? can_implement(q, /*gate_up_only=*/true) : "",
@@ -948,7 +961,11 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   } else {
     // 2-4. Pull, the expert backward, push.
     gather_rows(g, stream);
-    experts_backward(e, stream);
+    if (a.fp8_dgrad) {
+      experts_backward_fp8_dgrad(e8, stream);
+    } else {
+      experts_backward(e, stream);
+    }
     scatter_rows(sc, stream);
     scatter_row_values(sv, stream);
     // 5. Tell every source its slots from this rank are written; wait for every rank's.

@@ -50,6 +50,7 @@ struct RunConfig {
   bool claim_tasks = true;          // both passes' claim_tasks (false: the static order c + j CTAs)
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
   bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; its backward: fp8_forward)
+  bool fp8_dgrad = false;  // with fp8 and backward: Precision::fp8_dgrad's backward (stage kernels, e4m3 data gradients)
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -108,6 +109,9 @@ struct Rank {
   // fp8: the weights' e4m3 codes and 128 x 128 block scales.
   std::unique_ptr<DeviceBuffer<uint8_t>> wg8, wu8, wd8;
   std::unique_ptr<DeviceBuffer<float>> wg_scales, wu_scales, wd_scales;
+  // fp8_dgrad: W_down^T and [W_gate^T | W_up^T] in e4m3 with their scales, and the scratch.
+  std::unique_ptr<DeviceBuffer<uint8_t>> wd_t8, wgu_t8, dgrad_scratch;
+  std::unique_ptr<DeviceBuffer<float>> wd_t_scales, wgu_t_scales;
 };
 
 // A weight [El, rows, cols] (bf16 on the device) as e4m3 codes and block scales, on the GPU.
@@ -182,6 +186,20 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       cudaMemset(rk.buffers->ring_h_codes(), 0xff, size_t(ring * I));  // e4m3 NaN
       cudaMemset(rk.buffers->ring_x_scales(), 0xff, size_t(H / 128 * ring * 4));
       cudaMemset(rk.buffers->ring_h_scales(), 0xff, size_t(I / 128 * ring * 4));
+    }
+    if (cfg.fp8_dgrad) {
+      rk.wd_t8 = std::make_unique<DeviceBuffer<uint8_t>>(size_t(El * I * H));
+      rk.wd_t_scales = std::make_unique<DeviceBuffer<float>>(size_t(El * (I / 128) * (H / 128)));
+      rk.wgu_t8 = std::make_unique<DeviceBuffer<uint8_t>>(size_t(El * H * 2 * I));
+      rk.wgu_t_scales = std::make_unique<DeviceBuffer<float>>(size_t(El * (H / 128) * (2 * I / 128)));
+      cuda::quantize_blocks_e4m3_transposed(rk.w_down->ptr, El, H, I, nullptr, nullptr, rk.wd_t8->ptr,
+                                            rk.wd_t_scales->ptr, H, 0, nullptr);
+      cuda::quantize_blocks_e4m3_transposed(rk.w_gate->ptr, El, I, H, nullptr, nullptr, rk.wgu_t8->ptr,
+                                            rk.wgu_t_scales->ptr, 2 * I, 0, nullptr);
+      cuda::quantize_blocks_e4m3_transposed(rk.w_up->ptr, El, I, H, nullptr, nullptr, rk.wgu_t8->ptr,
+                                            rk.wgu_t_scales->ptr, 2 * I, I, nullptr);
+      rk.dgrad_scratch = std::make_unique<DeviceBuffer<uint8_t>>(size_t(cuda::fp8_dgrad_scratch_bytes(capacity, H, I)));
+      rk.dgrad_scratch->poison();
     }
     rk.gu = bf(capacity * 2 * I);
     rk.y = bf(T * H);
@@ -327,6 +345,14 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       b.epoch = uint32_t(2 * run);
       b.num_sms = ctas;
       b.fused = !cfg.stage_backward;
+      if (cfg.fp8_dgrad) {
+        b.fp8_dgrad = true;
+        b.w_down_t_codes = rk.wd_t8->ptr;
+        b.w_down_t_scales = rk.wd_t_scales->ptr;
+        b.w_gate_up_t_codes = rk.wgu_t8->ptr;
+        b.w_gate_up_t_scales = rk.wgu_t_scales->ptr;
+        b.fp8_dgrad_scratch = rk.dgrad_scratch->ptr;
+      }
       b.swiglu_limit = d.swiglu_limit;
       b.timeout_s = cfg.timeout_s;
       try {
@@ -773,6 +799,47 @@ TEST_P(MegakernelFp8, BackwardMatchesTheOracleAndIsBitwiseStable) {
     }
     expect_same_gradients(a, o, c.desc.ranks, how);
   }
+}
+
+// Precision::fp8_dgrad's backward (MoeBackwardArgs::fp8_dgrad: the stage kernels with the data
+// gradients on e4m3, experts_backward_fp8_dgrad) after the fp8 forward, as ref::layer_backward
+// defines that precision's: within bf16's tolerance of the CPU reference, bit for bit across a
+// fresh run and with the rows replayed; the fused path refused by name.
+TEST_P(MegakernelFp8, Fp8DgradBackwardMatchesTheOracleAndIsBitwiseStable) {
+  const Case& c = GetParam();
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  ref::LayerInputs<float> in = make_inputs<float>(c.desc, c.routing, 2468, true);
+  in.desc.precision = Precision::fp8_dgrad;
+  const auto dy = make_output_grad<float>(in.desc, 2469, true);
+  const auto fwd = ref::layer_forward(in, ref::Rounding::bf16);
+  const auto ref = ref::layer_backward(in, fwd.context, dy, ref::Rounding::bf16);
+  RunConfig cfg;
+  cfg.fp8 = true;
+  cfg.fp8_dgrad = true;
+  cfg.stage_backward = true;
+  cfg.backward = true;
+  cfg.dy = &dy;
+  const Outputs a = run_forward(in, cfg, 3);
+  expect_backward_near(a, fwd, ref, int(c.desc.ranks), kFp8LayerTolerance, std::string(c.name) + " fp8_dgrad backward");
+  expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "a fresh run");
+  RunConfig replay = cfg;
+  replay.replay = true;
+  expect_same_gradients(a, run_forward(in, replay, 1), c.desc.ranks, "fp8_dgrad replay");
+  // Against fp8_block's backward (bf16 data gradients): near, and not the same bits.
+  RunConfig bf16_dgrad = cfg;
+  bf16_dgrad.fp8_dgrad = false;
+  const Outputs b = run_forward(in, bf16_dgrad, 1);
+  double differs = 0;
+  for (int r = 0; r < c.desc.ranks; ++r) {
+    const Comparison dx = compare(from_bits(a.dx[r]), from_bits(b.dx[r]));
+    EXPECT_TRUE(dx.within(0.1)) << dx.describe("fp8_dgrad dx against fp8_block's, rank " + std::to_string(r));
+    differs = std::max(differs, dx.rel_error);
+  }
+  if (c.desc.tokens_per_rank > 1) EXPECT_GT(differs, 1e-4) << "the fp8_dgrad backward computed fp8_block's";
+  RunConfig fused = cfg;
+  fused.stage_backward = false;
+  const Outputs f = run_forward(in, fused, 1);
+  EXPECT_NE(f.errors[0].find("fp8_dgrad runs on the stage kernels"), std::string::npos) << f.errors[0];
 }
 
 class MegakernelBackward : public ::testing::TestWithParam<Case> {};

@@ -126,9 +126,16 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The bound of a run's check against the fp64 layer: bf16's, or with fp8_block e4m3's (3
-// mantissa bits on x, the weights and h: about 7% on y, and on the gradients from its saved rows).
-double exact_bound(const MoeDesc& desc) { return desc.precision == Precision::fp8_block ? 0.12 : kBf16RelTolerance; }
+// The bound of a run's check against the fp64 layer: bf16's, or with fp8_block and fp8_dgrad
+// e4m3's (3 mantissa bits on x, the weights and h: about 7% on y, and on the gradients from its
+// saved rows; fp8_dgrad's also on dy and dg|du).
+double exact_bound(const MoeDesc& desc) { return fp8_forward(desc.precision) ? 0.12 : kBf16RelTolerance; }
+
+// What the fused run's backward is: the backward megakernel, or at fp8_dgrad moe_backward's stage
+// kernels (the megakernel's backward is bf16).
+const char* fused_backward_name(const MoeDesc& desc) {
+  return fp8_dgrad(desc.precision) ? "moe_backward's stage kernels, fp8_dgrad" : "the backward megakernel";
+}
 
 // Prints each output's relative error against the fp64 reference; true when all are within bound.
 bool check_against_exact(const NamedOutputs& out, const NamedOutputs& expected, double bound = kBf16RelTolerance) {
@@ -229,8 +236,9 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
     std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; %s)\n", "forward", "fused", median(gpu.fused_forward_ms),
                 routed / median(gpu.fused_forward_ms) / 1e6, gpu.fused_plan.c_str());
     if (gpu.fused_backward_skipped.empty())
-      std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; the backward megakernel)\n", "backward", "fused",
-                  median(gpu.fused_backward_ms), 2 * routed / median(gpu.fused_backward_ms) / 1e6);
+      std::printf("%-12s %-8s %12.3f %12.1f   (routed experts only; %s)\n", "backward", "fused",
+                  median(gpu.fused_backward_ms), 2 * routed / median(gpu.fused_backward_ms) / 1e6,
+                  fused_backward_name(desc));
   }
   std::printf("%-12s %-8s %12.2f %12.2f\n", "forward", "cpu ref", cpu_fwd_ms, fwd_flops / cpu_fwd_ms / 1e6);
   std::printf("%-12s %-8s %12.2f %12.2f\n", "backward", "cpu ref", cpu_bwd_ms, 2 * fwd_flops / cpu_bwd_ms / 1e6);
@@ -248,12 +256,13 @@ int run_on_cuda(const ref::LayerInputs<float>& inputs, const std::vector<std::ve
                 gpu.fused_difference.empty() ? "" : "; ", gpu.fused_difference.c_str());
     ok = ok && gpu.fused_identical_runs == runs;
     if (gpu.fused_backward_skipped.empty()) {
-      std::printf("fused backward (megakernel): %lld of %lld runs bitwise equal to the staged backward%s%s\n",
-                  static_cast<long long>(gpu.fused_backward_identical_runs), static_cast<long long>(runs),
+      std::printf("fused backward (%s): %lld of %lld runs bitwise equal to the staged backward%s%s\n",
+                  fused_backward_name(desc), static_cast<long long>(gpu.fused_backward_identical_runs),
+                  static_cast<long long>(runs),
                   gpu.fused_backward_difference.empty() ? "" : "; ", gpu.fused_backward_difference.c_str());
       ok = ok && gpu.fused_backward_identical_runs == runs;
     } else {
-      std::printf("fused backward (megakernel): not run: %s\n", gpu.fused_backward_skipped.c_str());
+      std::printf("fused backward (%s): not run: %s\n", fused_backward_name(desc), gpu.fused_backward_skipped.c_str());
     }
   } else {
     std::printf("fused forward (megakernel): not run: %s\n", gpu.fused_skipped.c_str());

@@ -114,6 +114,44 @@ Fp8Matrix quantized_weight(const DeviceArray<uint16_t>& w, int64_t planes, int64
   return q;
 }
 
+// The weights' e4m3 transposes the fp8 dgrad reads (Precision::fp8_dgrad): W_down^T [planes, I, H]
+// and [W_gate^T | W_up^T] [planes, H, 2I] (quantize_blocks_e4m3_transposed: the forward's codes, moved).
+struct Fp8Transposes {
+  Fp8Matrix down_t, gate_up_t;
+};
+
+Fp8Transposes transposed_weights(const DeviceArray<uint16_t>& wg, const DeviceArray<uint16_t>& wu,
+                                 const DeviceArray<uint16_t>& wd, int64_t planes, int64_t H, int64_t I,
+                                 const std::string& what, cudaStream_t stream) {
+  Fp8Transposes t;
+  t.down_t = Fp8Matrix(static_cast<size_t>(planes * I * H), static_cast<size_t>(planes * (I / 128) * (H / 128)),
+                       "W_down^T" + what);
+  t.gate_up_t = Fp8Matrix(static_cast<size_t>(planes * H * 2 * I),
+                          static_cast<size_t>(planes * (H / 128) * (2 * I / 128)), "[W_gate^T | W_up^T]" + what);
+  cuda::quantize_blocks_e4m3_transposed(wd.get(), planes, H, I, nullptr, nullptr, t.down_t.codes.get(),
+                                        t.down_t.scales.get(), H, 0, stream);
+  cuda::quantize_blocks_e4m3_transposed(wg.get(), planes, I, H, nullptr, nullptr, t.gate_up_t.codes.get(),
+                                        t.gate_up_t.scales.get(), 2 * I, 0, stream);
+  cuda::quantize_blocks_e4m3_transposed(wu.get(), planes, I, H, nullptr, nullptr, t.gate_up_t.codes.get(),
+                                        t.gate_up_t.scales.get(), 2 * I, I, stream);
+  return t;
+}
+
+// The expert backward e at the layer's precision: bf16 (experts_backward), or with t (fp8_dgrad)
+// its data gradients on e4m3 with the scratch of fp8_dgrad_scratch_bytes (experts_backward_fp8_dgrad).
+void staged_experts_backward(const cuda::ExpertsBackwardArgs& e, const Fp8Transposes* t, void* scratch,
+                             cudaStream_t stream) {
+  if (t == nullptr) return cuda::experts_backward(e, stream);
+  cuda::ExpertsDgradFp8Args f;
+  f.base = e;
+  f.w_down_t = t->down_t.codes.get();
+  f.w_down_t_scales = t->down_t.scales.get();
+  f.w_gate_up_t = t->gate_up_t.codes.get();
+  f.w_gate_up_t_scales = t->gate_up_t.scales.get();
+  cuda::wire_fp8_dgrad_scratch(f, scratch);
+  cuda::experts_backward_fp8_dgrad(f, stream);
+}
+
 // The experts' fp8 forward of `rows` rows (x quantized first, only rows before offsets[El]); h,
 // g|u and y as experts_forward writes them.
 void staged_experts_fp8(int64_t rows, int64_t H, int64_t I, int64_t experts, const std::optional<float>& limit,
@@ -177,8 +215,11 @@ struct RankBuffers {
   DeviceArray<int32_t> backward_status;
   // fp8 (Precision::fp8_block): e4m3 codes and scales of the experts' weights (quantize_blocks_e4m3)
   // and of the rows the fp8 forward reads (x rows, then h; quantize_rows_e4m3_k_major), routed and
-  // shared. The backward runs in bf16 from the bf16 x rows, g|u and h the fp8 forward saved.
+  // shared. The backward runs in bf16 from the bf16 x rows, g|u and h the fp8 forward saved (at
+  // fp8_dgrad its data gradients on e4m3, with w_t8 below).
   Fp8Matrix w_gate8, w_up8, w_down8, x_rows8, h8, shared_x8, shared_h8;
+  // fp8_dgrad: the weights' transposes the backward's data gradients read.
+  Fp8Transposes w_t8;
 };
 
 struct Events {
@@ -263,7 +304,7 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   auto add = [&why](const std::string& what, const std::string& reason) {
     if (!reason.empty()) why += (why.empty() ? "" : "; ") + what + ": " + reason;
   };
-  const bool fp8 = d.precision == Precision::fp8_block;
+  const bool fp8 = fp8_forward(d.precision);
   if (fp8) {
     auto fp8_shape = [](int64_t rows, int64_t H, int64_t I, int64_t experts, const std::optional<float>& limit) {
       cuda::ExpertsForwardFp8Args a;
@@ -285,8 +326,6 @@ std::string cuda_cannot_run(const MoeDesc& d) {
     if (d.has_shared())
       add("shared expert (fp8)", cuda::can_implement(fp8_shape(round_up(d.tokens_per_rank, cuda::kRowAlign), d.hidden,
                                                                d.shared_intermediate, 1, d.swiglu_limit)));
-  } else if (d.precision != Precision::bf16) {
-    add("precision " + std::string(to_string(d.precision)), "the GPU layer runs bf16 and fp8_block");
   }
   const cuda::RoutingShape shape = routing_shape(d);
   const int64_t cap = cuda::routed_row_capacity(shape);
@@ -421,19 +460,22 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
   const MoeConfig config = plan(planned, facts);
   const int64_t minibatch = config.minibatch_rows, cap = cuda::routed_row_capacity(shape);
   // Every row kept, for the backward (fp8: the forward's h and g|u; its x rows are pulled again).
-  const bool fp8 = d.precision == Precision::fp8_block;
+  // fp8_dgrad's backward runs the stage kernels through moe_backward (the megakernel's is bf16).
+  const bool fp8 = fp8_forward(d.precision), dgrad8 = fp8_dgrad(d.precision);
   const int64_t ring = (cap + minibatch - 1) / minibatch * minibatch;
   const int comm = std::min(config.comm_sms, ctas / 4);  // 0: comm warps
   const int64_t El = d.local_experts();
   out.fused_plan = "minibatch " + std::to_string(minibatch) + " rows, ring " + std::to_string(ring) + " rows, " +
                    (comm > 0 ? std::to_string(comm) + " comm of " : std::string("comm warps in each of ")) +
-                   std::to_string(ctas) + " CTAs per rank";
+                   std::to_string(ctas) + " CTAs per rank" +
+                   (dgrad8 ? "; backward: the stage kernels (fp8_dgrad)" : "");
 
   struct FusedRank {
     DeviceArray<uint8_t> symmetric;
     std::unique_ptr<cuda::FusedBuffers> buffers;
     DeviceArray<uint16_t> y, gu, dx;
     DeviceArray<float> d_topk_w, d_gate, d_up, d_down;
+    DeviceArray<uint8_t> dgrad_scratch;  // fp8_dgrad
     cudaStream_t stream = nullptr;
     cudaEvent_t start = nullptr, stop = nullptr, backward_start = nullptr, backward_stop = nullptr;
   };
@@ -462,6 +504,9 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
     f.d_gate = DeviceArray<float>(static_cast<size_t>(El * I * H), "fused dW_gate");
     f.d_up = DeviceArray<float>(static_cast<size_t>(El * I * H), "fused dW_up");
     f.d_down = DeviceArray<float>(static_cast<size_t>(El * H * I), "fused dW_down");
+    if (dgrad8)
+      f.dgrad_scratch = DeviceArray<uint8_t>(static_cast<size_t>(cuda::fp8_dgrad_scratch_bytes(cap, H, I)),
+                                             "fp8 dgrad scratch");
     check(cudaStreamCreateWithFlags(&f.stream, cudaStreamNonBlocking), "stream");
     for (cudaEvent_t* e : {&f.start, &f.stop, &f.backward_start, &f.backward_stop}) check(cudaEventCreate(e), "event");
   }
@@ -529,8 +574,16 @@ static void fused_layer(const ref::LayerInputs<float>& in, const std::vector<Ran
         g.d_w_down = f.d_down.get();
         g.epoch = static_cast<uint32_t>(2 * run + 2);
         g.num_sms = ctas;
-        g.fused = true;
+        g.fused = !dgrad8;
         g.swiglu_limit = d.swiglu_limit;
+        if (dgrad8) {
+          g.fp8_dgrad = true;
+          g.w_down_t_codes = b.w_t8.down_t.codes.get();
+          g.w_down_t_scales = b.w_t8.down_t.scales.get();
+          g.w_gate_up_t_codes = b.w_t8.gate_up_t.codes.get();
+          g.w_gate_up_t_scales = b.w_t8.gate_up_t.scales.get();
+          g.fp8_dgrad_scratch = f.dgrad_scratch.get();
+        }
         check(cudaEventRecord(f.backward_start, f.stream), "event");
         cuda::moe_backward(g, f.stream);
         check(cudaEventRecord(f.backward_stop, f.stream), "event");
@@ -657,12 +710,14 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
     s_up.upload(to_bf16_bits(in.shared.up));
     s_down.upload(to_bf16_bits(in.shared.down));
   }
-  const bool fp8 = d.precision == Precision::fp8_block;
+  const bool fp8 = fp8_forward(d.precision), dgrad8 = fp8_dgrad(d.precision);
   Fp8Matrix s_gate8, s_up8, s_down8;
+  Fp8Transposes s_t8;
   if (fp8 && d.has_shared()) {
     s_gate8 = quantized_weight(s_gate, 1, Is, H, "shared w_gate", stream.s);
     s_up8 = quantized_weight(s_up, 1, Is, H, "shared w_up", stream.s);
     s_down8 = quantized_weight(s_down, 1, H, Is, "shared w_down", stream.s);
+    if (dgrad8) s_t8 = transposed_weights(s_gate, s_up, s_down, 1, H, Is, " (shared)", stream.s);
   }
   std::vector<RankBuffers> ranks(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
@@ -734,6 +789,7 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
       b.w_down8 = quantized_weight(b.w_down, El, H, I, "w_down" + of, stream.s);
       b.x_rows8 = Fp8Matrix(scap * sH, sH / 128 * scap, "dispatched rows" + of);
       b.h8 = Fp8Matrix(scap * sI, sI / 128 * scap, "h rows" + of);
+      if (dgrad8) b.w_t8 = transposed_weights(b.w_gate, b.w_up, b.w_down, El, H, I, of, stream.s);
       if (d.has_shared()) {
         b.shared_x8 = Fp8Matrix(sTpad * sH, sH / 128 * sTpad, "shared x" + of);
         b.shared_h8 = Fp8Matrix(sTpad * sIs, sIs / 128 * sTpad, "shared h" + of);
@@ -747,6 +803,13 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
   DeviceArray<float> dw_partial(scap * sI_blocks, "d row weight partials");
   DeviceArray<uint16_t> shared_dgu, shared_hw;
   DeviceArray<float> shared_dw_partial, shared_row_weight, shared_d_row_weight;
+  DeviceArray<uint8_t> dgrad_scratch, shared_dgrad_scratch;  // fp8_dgrad
+  if (dgrad8) {
+    dgrad_scratch = DeviceArray<uint8_t>(static_cast<size_t>(cuda::fp8_dgrad_scratch_bytes(cap, H, I)), "fp8 dgrad scratch");
+    if (d.has_shared())
+      shared_dgrad_scratch = DeviceArray<uint8_t>(static_cast<size_t>(cuda::fp8_dgrad_scratch_bytes(Tpad, H, Is)),
+                                                  "shared fp8 dgrad scratch");
+  }
   if (d.has_shared()) {
     shared_dgu = DeviceArray<uint16_t>(sTpad * 2 * sIs, "shared dg|du rows");
     shared_hw = DeviceArray<uint16_t>(sTpad * sIs, "shared w*h rows");
@@ -940,7 +1003,7 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
       e.d_w_down = b.d_down.get();
       e.swiglu_limit = d.swiglu_limit;
       e.status = b.backward_status.get();
-      cuda::experts_backward(e, stream.s);
+      staged_experts_backward(e, dgrad8 ? &b.w_t8 : nullptr, dgrad_scratch.get(), stream.s);
     }
     mark_backward(2, timed);
     for (RankBuffers& b : ranks) {
@@ -985,7 +1048,7 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
         e.d_w_down = b.shared_d_down.get();
         e.swiglu_limit = d.swiglu_limit;
         e.status = b.shared_backward_status.get();
-        cuda::experts_backward(e, stream.s);
+        staged_experts_backward(e, dgrad8 ? &s_t8 : nullptr, shared_dgrad_scratch.get(), stream.s);
       }
     }
     mark_backward(4, timed);

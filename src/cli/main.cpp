@@ -18,7 +18,8 @@ const char* kUsage =
     "  mok run     [--preset NAME] [--ranks R] [--tokens T] [--routing balanced|uniform|zipf|one_expert]\n"
     "              [--backend auto|cpu|cuda] [--threads N] [--runs N] [--seed S] [--limit L]\n"
     "              [--fused on|off]   (cuda: also run the fused forward, the megakernel)\n"
-    "              [--precision bf16|fp8]   (fp8: the experts' GEMMs on block-scaled e4m3; cpu only)\n"
+    "              [--precision bf16|fp8|fp8_dgrad]   (fp8: the experts' forward GEMMs on block-scaled e4m3;\n"
+    "                                          fp8_dgrad: and the backward's data-gradient GEMMs)\n"
     "              run forward+backward, check against the fp64 reference, print timings\n"
     "  mok presets [--json]   list the model presets\n";
 

@@ -12,6 +12,7 @@ const char* to_string(Precision p) {
   switch (p) {
     case Precision::bf16: return "bf16";
     case Precision::fp8_block: return "fp8_block";
+    case Precision::fp8_dgrad: return "fp8_dgrad";
   }
   return "unknown";
 }
@@ -19,7 +20,8 @@ const char* to_string(Precision p) {
 Precision parse_precision(const std::string& name) {
   if (name == "bf16") return Precision::bf16;
   if (name == "fp8_block" || name == "fp8") return Precision::fp8_block;
-  throw InvalidArgument("precision '" + name + "' is not one of: bf16, fp8_block");
+  if (name == "fp8_dgrad") return Precision::fp8_dgrad;
+  throw InvalidArgument("precision '" + name + "' is not one of: bf16, fp8_block (or fp8), fp8_dgrad");
 }
 
 void MoeDesc::validate() const {
@@ -49,11 +51,11 @@ void MoeDesc::validate() const {
     MOK_REQUIRE(std::isfinite(*swiglu_limit) && *swiglu_limit > 0.0f,
                 "swiglu_limit must be a finite value > 0, got ", *swiglu_limit);
   }
-  if (precision == Precision::fp8_block) {
-    MOK_REQUIRE(hidden % 128 == 0, "fp8_block needs hidden % 128 == 0 (128-wide scale blocks), got ",
-                hidden);
-    MOK_REQUIRE(intermediate % 128 == 0,
-                "fp8_block needs intermediate % 128 == 0 (128-wide scale blocks), got ", intermediate);
+  if (fp8_forward(precision)) {
+    MOK_REQUIRE(hidden % 128 == 0, mok::to_string(precision),
+                " needs hidden % 128 == 0 (128-wide scale blocks), got ", hidden);
+    MOK_REQUIRE(intermediate % 128 == 0, mok::to_string(precision),
+                " needs intermediate % 128 == 0 (128-wide scale blocks), got ", intermediate);
   }
 }
 

@@ -354,10 +354,11 @@ template <class Real>
 void validate_inputs(const LayerInputs<Real>& in) {
   const MoeDesc& d = in.desc;
   d.validate();
-  if (d.precision == Precision::fp8_block) {
-    MOK_REQUIRE((std::is_same_v<Real, float>), "precision fp8_block is computed in float (its oracle's type) only");
-    MOK_REQUIRE(!d.has_shared() || d.shared_intermediate % fp8::kBlock == 0,
-                "fp8_block needs shared_intermediate % 128 == 0 (128-wide scale blocks), got ", d.shared_intermediate);
+  if (fp8_forward(d.precision)) {
+    MOK_REQUIRE((std::is_same_v<Real, float>), "precision ", to_string(d.precision),
+                " is computed in float (its oracle's type) only");
+    MOK_REQUIRE(!d.has_shared() || d.shared_intermediate % fp8::kBlock == 0, to_string(d.precision),
+                " needs shared_intermediate % 128 == 0 (128-wide scale blocks), got ", d.shared_intermediate);
   }
   const int64_t R = d.ranks, T = d.tokens_per_rank, H = d.hidden, I = d.intermediate, k = d.topk;
   MOK_REQUIRE(static_cast<int64_t>(in.x.size()) == R, "x is given for ", in.x.size(), " ranks, expected ", R);
@@ -405,9 +406,9 @@ LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding)
 
   // The experts' MLP at the layer's precision: bf16, or block-scaled e4m3 GEMMs
   // (experts_forward_fp8: float, bf16 rounding points) for the routed and the shared experts.
-  const bool fp8 = d.precision == Precision::fp8_block;
-  MOK_REQUIRE(!fp8 || rounding == Rounding::bf16,
-              "precision fp8_block has the GPU's rounding points: call it with Rounding::bf16");
+  const bool fp8 = fp8_forward(d.precision);
+  MOK_REQUIRE(!fp8 || rounding == Rounding::bf16, "precision ", to_string(d.precision),
+              " has the GPU's rounding points: call it with Rounding::bf16");
   auto experts_mlp = [&](const MlpShape& shape, const ExpertsView<Real>& w, std::span<const int64_t> offsets,
                          const Real* x, Real* gu, Real* h, Real* y) {
     if constexpr (std::is_same_v<Real, float>) {
@@ -470,6 +471,21 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
   }
   const MlpShape routed_shape{H, I, d.swiglu_limit};
   const MlpShape shared_shape{H, Is, d.swiglu_limit};
+  // The experts' backward at the layer's precision: bf16, or fp8_dgrad's e4m3 data gradients
+  // (experts_backward_fp8_dgrad: float, bf16 rounding points) for the routed and the shared experts.
+  const bool fp8 = fp8_dgrad(d.precision);
+  MOK_REQUIRE(!fp8 || rounding == Rounding::bf16, "precision ", to_string(d.precision),
+              " has the GPU's rounding points: call it with Rounding::bf16");
+  auto experts_bwd = [&](const MlpShape& shape, const ExpertsView<Real>& w, std::span<const int64_t> offsets,
+                         const Real* x, const Real* gu, const Real* h, const Real* dy_rows, const Real* row_w,
+                         Real* dx_rows, Real* dw_rows, Real* d_gate, Real* d_up, Real* d_down) {
+    if constexpr (std::is_same_v<Real, float>) {
+      if (fp8)
+        return experts_backward_fp8_dgrad(shape, w, offsets, x, gu, h, dy_rows, row_w, dx_rows, dw_rows, d_gate, d_up,
+                                          d_down);
+    }
+    experts_backward(shape, w, offsets, x, gu, h, dy_rows, row_w, dx_rows, dw_rows, d_gate, d_up, d_down, rounding);
+  };
 
   LayerGrads<Real> g;
   g.d_routed.gate.resize(static_cast<size_t>(d.num_experts * I * H));
@@ -496,10 +512,9 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
     const ExpertsView<Real> w{in.routed.gate.data() + dst * El * I * H,
                               in.routed.up.data() + dst * El * I * H,
                               in.routed.down.data() + dst * El * H * I, El};
-    experts_backward(routed_shape, w, s.expert_offsets, ctx.x_rows[dst].data(), ctx.gu[dst].data(),
-                     ctx.h[dst].data(), dy_rows.data(), row_w.data(), dx_rows.data(), dw_rows.data(),
-                     g.d_routed.gate.data() + dst * El * I * H, g.d_routed.up.data() + dst * El * I * H,
-                     g.d_routed.down.data() + dst * El * H * I, rounding);
+    experts_bwd(routed_shape, w, s.expert_offsets, ctx.x_rows[dst].data(), ctx.gu[dst].data(), ctx.h[dst].data(),
+                dy_rows.data(), row_w.data(), dx_rows.data(), dw_rows.data(), g.d_routed.gate.data() + dst * El * I * H,
+                g.d_routed.up.data() + dst * El * I * H, g.d_routed.down.data() + dst * El * H * I);
     scatter_slot_rows<Real>(s, H, dx_rows.data(), dx_slot_ptrs);
     scatter_slot_rows<Real>(s, 1, dw_rows.data(), dw_ptrs);
   }
@@ -516,9 +531,9 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
       const std::vector<Real> ones(static_cast<size_t>(T), Real(1));
       const std::vector<int64_t> offsets{0, T};
       const ExpertsView<Real> sw{in.shared.gate.data(), in.shared.up.data(), in.shared.down.data(), 1};
-      experts_backward(shared_shape, sw, offsets, in.x[r].data(), ctx.shared_gu[r].data(),
-                       ctx.shared_h[r].data(), dy[r].data(), ones.data(), dx_shared.data(), static_cast<Real*>(nullptr),
-                       ds.gate.data(), ds.up.data(), ds.down.data(), rounding);
+      experts_bwd(shared_shape, sw, offsets, in.x[r].data(), ctx.shared_gu[r].data(), ctx.shared_h[r].data(),
+                  dy[r].data(), ones.data(), dx_shared.data(), static_cast<Real*>(nullptr), ds.gate.data(),
+                  ds.up.data(), ds.down.data());
     }
     dispatch_grad_epilogue(T, H, k, d.has_shared() ? dx_shared.data() : nullptr, dx_slots[r].data(),
                            dx.data(), rounding);

@@ -125,6 +125,11 @@ TEST(Presets, UnknownNameListsTheKnownOnes) {
 TEST(Precision, ParsesAndRejects) {
   EXPECT_EQ(parse_precision("bf16"), Precision::bf16);
   EXPECT_EQ(parse_precision("fp8_block"), Precision::fp8_block);
+  EXPECT_EQ(parse_precision("fp8"), Precision::fp8_block);
+  EXPECT_EQ(parse_precision("fp8_dgrad"), Precision::fp8_dgrad);
+  EXPECT_STREQ(to_string(Precision::fp8_dgrad), "fp8_dgrad");
+  EXPECT_TRUE(fp8_forward(Precision::fp8_dgrad) && fp8_forward(Precision::fp8_block) && !fp8_forward(Precision::bf16));
+  EXPECT_TRUE(fp8_dgrad(Precision::fp8_dgrad) && !fp8_dgrad(Precision::fp8_block));
   EXPECT_THROW(parse_precision("fp4"), InvalidArgument);
 }
 

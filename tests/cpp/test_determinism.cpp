@@ -45,9 +45,9 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
   }
 }
 
-// fp8_block: whole 128-wide scale blocks (the routed and the shared experts' GEMMs in e4m3).
+// fp8_block and fp8_dgrad: whole 128-wide scale blocks (the routed and the shared experts' GEMMs in e4m3).
 MoeDesc desc(int64_t T, int64_t R, Precision precision = Precision::bf16) {
-  const bool fp8 = precision == Precision::fp8_block;
+  const bool fp8 = fp8_forward(precision);
   MoeDesc d;
   d.tokens_per_rank = T;
   d.hidden = fp8 ? 256 : 72;
@@ -80,10 +80,10 @@ TEST(Determinism, AnyThreadCountAndRepeatedRuns) {
 // The same global batch of 48 tokens split over R = 1, 2, 3, 4 ranks gives the same bits for
 // every per-token output and for the routed weight gradients (their reduction walks the
 // canonical order, which does not depend on R). The shared expert's weight gradient is each
-// rank's own partial sum, so only its total over ranks is compared, to rounding. At both
-// precisions: fp8's quantization blocks are a row's (x, h) or an expert's (weights), never a rank's.
+// rank's own partial sum, so only its total over ranks is compared, to rounding. At every
+// precision: fp8's quantization blocks are a row's (x, h, dy, dg|du) or an expert's (weights), never a rank's.
 TEST(Determinism, SameBitsForAnyNumberOfRanks) {
-  for (const Precision precision : {Precision::bf16, Precision::fp8_block}) {
+  for (const Precision precision : {Precision::bf16, Precision::fp8_block, Precision::fp8_dgrad}) {
     SCOPED_TRACE(to_string(precision));
     same_bits_for_any_number_of_ranks(precision);
   }

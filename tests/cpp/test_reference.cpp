@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "mok/core/compare.h"
 #include "mok/core/error.h"
@@ -296,6 +298,39 @@ TEST(Reference, Fp8LayerIsNearTheBf16Layer) {
   auto in8d = make_inputs<double>(d, RoutingKind::zipf, 17, true);
   in8d.desc.precision = Precision::fp8_block;
   expect_message([&] { ref::layer_forward(in8d, ref::Rounding::bf16); }, "computed in float");
+}
+
+// The layer at precision fp8_dgrad: fp8_block's forward bit for bit; the backward's data
+// gradients on e4m3 (experts_backward_fp8_dgrad for the routed and the shared experts), so dx and
+// d topk_w are near fp8_block's and not equal to them, and the weight gradients (bf16 GEMMs of
+// the same x rows and of dg|du, which now carries dy's and dh's quantization) near them too.
+TEST(Reference, Fp8DgradLayerIsNearTheFp8Layer) {
+  const MoeDesc d = desc_of({"fp8", 40, 256, 128, 8, 2, 2, 128, 4.0f, RoutingKind::zipf});
+  auto in8 = make_inputs<float>(d, RoutingKind::zipf, 23, true);
+  in8.desc.precision = Precision::fp8_block;
+  auto ind = in8;
+  ind.desc.precision = Precision::fp8_dgrad;
+  const auto f8 = ref::layer_forward(in8, ref::Rounding::bf16);
+  const auto fd = ref::layer_forward(ind, ref::Rounding::bf16);
+  EXPECT_EQ(first_bit_difference(flat(fd.y), flat(f8.y)), -1) << "fp8_dgrad's forward is fp8_block's";
+  const auto dy = make_output_grad<float>(d, 23, true);
+  const auto g8 = ref::layer_backward(in8, f8.context, dy, ref::Rounding::bf16);
+  const auto gd = ref::layer_backward(ind, fd.context, dy, ref::Rounding::bf16);
+  const Comparison cx = compare(flat(gd.dx), flat(g8.dx));
+  EXPECT_TRUE(cx.within(0.1)) << cx.describe("fp8_dgrad dx against fp8_block dx");
+  EXPECT_GT(cx.rel_error, 1e-3) << "the fp8_dgrad backward computed the bf16 one";
+  const Comparison cw = compare(flat(gd.d_topk_w), flat(g8.d_topk_w));
+  EXPECT_TRUE(cw.within(0.1)) << cw.describe("fp8_dgrad d topk_w against fp8_block's");
+  const std::vector<std::tuple<const std::vector<float>*, const std::vector<float>*, const char*>> weights{
+      {&gd.d_routed.gate, &g8.d_routed.gate, "dW_gate"},
+      {&gd.d_routed.down, &g8.d_routed.down, "dW_down"},
+      {&gd.d_shared[0].up, &g8.d_shared[0].up, "shared dW_up"}};
+  for (const auto& [got, want, what] : weights) {
+    const Comparison c = compare(*got, *want);
+    EXPECT_TRUE(c.within(0.1)) << c.describe(std::string("fp8_dgrad ") + what + " against fp8_block's");
+  }
+  expect_message([&] { ref::layer_backward(ind, fd.context, dy, ref::Rounding::none); },
+                 "precision fp8_dgrad has the GPU's rounding");
 }
 
 TEST(Reference, StagesRejectBadOffsets) {

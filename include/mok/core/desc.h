@@ -18,7 +18,15 @@ enum class Precision {
   bf16,       // bf16 operands, fp32 accumulation
   fp8_block,  // the experts' forward GEMMs in e4m3 with Hopper block scaling (1x128 activations,
               // 128x128 weights); the backward is bf16 (reference.h: layer_forward)
+  fp8_dgrad,  // fp8_block's forward, and the backward's two data-gradient GEMMs (dh = dy W_down,
+              // dx = [dg|du] [W_gate; W_up]) in e4m3 too (1x128 dy and dg|du, the weights'
+              // 128x128 transposes); the weight gradients bf16 (reference.h: layer_backward)
 };
+
+// Whether the experts' forward runs on e4m3 (fp8_block and fp8_dgrad), and whether their data
+// gradients do too (fp8_dgrad).
+inline bool fp8_forward(Precision p) { return p != Precision::bf16; }
+inline bool fp8_dgrad(Precision p) { return p == Precision::fp8_dgrad; }
 
 const char* to_string(Precision p);
 Precision parse_precision(const std::string& name);  // throws InvalidArgument

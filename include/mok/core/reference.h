@@ -73,8 +73,8 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
                       const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
                       Real* d_gate, Real* d_up, Real* d_down, Rounding rounding);
 
-// experts_backward with block-scaled e4m3 data gradients (the planned fp8 dgrad; not a layer
-// precision yet, and no GPU kernel yet): dh = fp8::gemm_nt(dy rows quantized 1 x 128, W_down^T
+// experts_backward with block-scaled e4m3 data gradients (Precision::fp8_dgrad; on the GPU
+// experts_dgrad_fp8, mok/cuda/fp8.h): dh = fp8::gemm_nt(dy rows quantized 1 x 128, W_down^T
 // quantized 128 x 128) and dx = fp8::gemm_nt([dg|du] rows quantized 1 x 128 along 2I,
 // [W_gate^T | W_up^T] quantized 128 x 128), the weights' transposes being the forward's codes
 // moved (fp8::transpose); the SwiGLU backward (from dh in fp32), d_row_weight and the weight
@@ -163,8 +163,10 @@ void validate_inputs(const LayerInputs<Real>& in);
 // The layer's forward over R emulated ranks. At desc.precision fp8_block (float, Rounding::bf16
 // only) the routed and the shared experts' MLPs are experts_forward_fp8 (a rank's x rows are
 // quantized per row, so where that happens, source or expert rank, changes no code); everything
-// else is the bf16 forward's. Its backward (layer_backward) is the bf16 one, from the saved bf16
-// x rows, g|u and h and the unquantized weights: the quantization passes gradients straight through.
+// else is the bf16 forward's. So is fp8_dgrad's forward. The backward (layer_backward) is the bf16
+// one at fp8_block, from the saved bf16 x rows, g|u and h and the unquantized weights: the
+// quantization passes gradients straight through. At fp8_dgrad the same, but the routed and the
+// shared experts' data gradients are experts_backward_fp8_dgrad's (float, Rounding::bf16 only).
 template <class Real>
 LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding);
 

@@ -91,7 +91,7 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream)
 // them (the fp8 forward's replay: MoeBackwardArgs::replay with fp8_forward).
 void experts_gate_up_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream);
 
-// The planned fp8 dgrad (not a layer precision yet; its oracle is mok/core/reference.h:
+// The fp8 dgrad (Precision::fp8_dgrad; its oracle is mok/core/reference.h:
 // experts_backward_fp8_dgrad): dy's rows quantized 1 x 128, dh = dy W_down on block-scaled e4m3
 // (W_down^T's codes) with the SwiGLU backward in the epilogue (dg|du, w*h and d row weight, as the
 // bf16 kernels compute them from dh, with one d topk_w partial per 128 columns), then dg|du's
@@ -114,5 +114,13 @@ std::string can_implement(const ExpertsDgradFp8Args& args);
 // Asynchronous on stream; throws std::invalid_argument naming what can_implement reports. Rows
 // at or past offsets[El] are not touched.
 void experts_dgrad_fp8(const ExpertsDgradFp8Args& args, cudaStream_t stream);
+// The whole expert backward at Precision::fp8_dgrad: experts_dgrad_fp8, then experts_wgrad(base).
+void experts_backward_fp8_dgrad(const ExpertsDgradFp8Args& args, cudaStream_t stream);
+// The fp8 dgrad's scratch in one buffer: dy's and dg|du's codes and scales, and the d row
+// weight partials (I / 128 columns, more than the bf16 kernels' dw_partial_blocks(I)).
+// fp8_dgrad_scratch_bytes is its size; wire_fp8_dgrad_scratch points args' scratch fields
+// (dy_codes, dy_scales, dgu_codes, dgu_scales, base.dw_partial) into it, each 256-byte aligned.
+int64_t fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, int64_t intermediate);
+void wire_fp8_dgrad_scratch(ExpertsDgradFp8Args& args, void* scratch);
 
 }  // namespace mok::cuda

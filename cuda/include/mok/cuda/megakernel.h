@@ -165,6 +165,16 @@ struct MoeBackwardArgs {
   const float* w_gate_scales = nullptr;  // and its 128 x 128 scales [El, I / 128, H / 128]
   const void* w_up_codes = nullptr;     // W_up in e4m3 [El, I, H]
   const float* w_up_scales = nullptr;    // [El, I / 128, H / 128]
+  // Precision::fp8_dgrad (with fp8_forward): the expert backward's data gradients on e4m3
+  // (experts_backward_fp8_dgrad, fp8.h), as ref::layer_backward defines that precision's. The
+  // stage kernels only (fused = false: the backward megakernel is bf16). The weights' transposes
+  // (quantize_blocks_e4m3_transposed) and fp8_dgrad_scratch_bytes(row_capacity, H, I) of scratch.
+  bool fp8_dgrad = false;
+  const void* w_down_t_codes = nullptr;     // W_down^T in e4m3 [El, I, H]
+  const float* w_down_t_scales = nullptr;   // [El, I / 128, H / 128]
+  const void* w_gate_up_t_codes = nullptr;  // [W_gate^T | W_up^T] in e4m3 [El, H, 2I]
+  const float* w_gate_up_t_scales = nullptr;  // [El, H / 128, 2I / 128]
+  void* fp8_dgrad_scratch = nullptr;
   // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
   void* dy_rows = nullptr;         // [cap, H] bf16
   float* row_weight = nullptr;     // [cap]
