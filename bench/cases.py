@@ -25,7 +25,7 @@ from .presets import MODEL_PRESETS, PRESETS
 
 PASSES: tuple[str, ...] = ("forward", "backward", "both")
 KINDS: tuple[str, ...] = ("layer", "experts")
-PRECISIONS: tuple[str, ...] = ("bf16", "fp8")  # fp8: MoK's 1x128 / 128x128 block scales, torch's row-wise
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "fp8_dgrad")  # fp8: MoK's 1x128 / 128x128 block scales, torch's row-wise
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,15 @@ def _fp8(ranks: int) -> list[Case]:
     # The layer in fp8 (MoK's block-scaled megakernel, its backward the bf16 one on the fp8
     # forward's h and g|u; torch's row-wise fp8 baseline, forward only), on the presets whose hidden
     # and intermediate sizes are whole 128-column blocks. Each shape also in bf16, so that one run
-    # compares the two precisions too.
+    # compares the two precisions too. fp8_dgrad: MoK's layer with the backward's data gradients on
+    # e4m3 too (the stage kernels); the torch baselines skip it.
     presets = ("kimi-k2", "deepseek-v4-pro", "qwen3.5-397b")
     return [
         Case("layer", p, ranks, r, tokens_per_rank=t, precision=precision, passes=("forward", "backward"))
         for t in (2048, 8192)
         for p in presets
         for r in ("balanced", "zipf")
-        for precision in ("fp8", "bf16")
+        for precision in ("fp8", "fp8_dgrad", "bf16")
     ]
 
 

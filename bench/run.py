@@ -70,7 +70,7 @@ FP8_TOLERANCE = 0.12
 
 def tolerance(case: Case) -> float:
     """The check's bound for a case's outputs against the fp32 reference."""
-    return FP8_TOLERANCE if case.precision == "fp8" else TOLERANCE
+    return FP8_TOLERANCE if case.precision != "bf16" else TOLERANCE
 MEMORY_FRACTION = 0.9  # a case or impl runs only if its estimate fits in this fraction of free memory
 
 OK, SKIPPED, ERROR = 0, 1, 2

@@ -114,9 +114,12 @@ def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
     rows = cap * (3 * 2 * H + 5 * 2 * I + 16)
     grads = 3 * El * I * H * _grad_dtype().itemsize
     weights = 0
-    if p.case.precision == "fp8":  # per row the codes of x and h and the bf16 x rows pulled again; the e4m3 weights
+    if p.case.precision != "bf16":  # per row the codes of x and h and the bf16 x rows pulled again; the e4m3 weights
         rows += cap * (H + I + 2 * H)
         weights = 3 * El * I * H
+    if p.case.precision == "fp8_dgrad":  # the transposes, and per row dy's and dg|du's codes
+        rows += cap * (H + 2 * I + 16)
+        weights += 3 * El * I * H
     return int(1.25 * (rows + grads + weights))
 
 
@@ -132,14 +135,17 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     At precision fp8 as mok.moe(config=MoeConfig(precision="fp8")) runs it: the weights quantized
     once (outside the timed passes), the call quantizing x itself, the shared expert on
     experts_forward_fp8 before the call; the backward is the bf16 one on the fp8 forward's h and
-    g|u (every rank writes x again: the call pulls the bf16 rows)."""
+    g|u (every rank writes x again: the call pulls the bf16 rows). At fp8_dgrad the backward's data
+    gradients on e4m3 too (the stage kernels; the weights' transposes quantized once, outside the
+    timed passes, as mok.moe caches them per weight version)."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU (the CPU path is the C++ reference, not benchmarked)")
-    if problem.case.precision not in ("bf16", "fp8"):
+    if problem.case.precision not in ("bf16", "fp8", "fp8_dgrad"):
         raise Skip(f"precision {problem.case.precision} not implemented yet")
     kernels = _cuda_kernels()
     p = problem
-    fp8 = p.case.precision == "fp8"
+    fp8 = p.case.precision != "bf16"
+    dgrad8 = p.case.precision == "fp8_dgrad"
     T, H, k, R = p.x.shape[0], p.preset.H, p.preset.topk, p.ranks
     bases, (x_in, idx_in, w_in, dy_in) = _symmetric_inputs(p, ctx, kernels)
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
@@ -147,12 +153,16 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     replay = bool(plan.pop("replay", 0))
     fused = kernels.FusedForward(ranks=R, rank=p.rank, tokens=T, hidden=H, intermediate=p.preset.I,
                                  num_experts=p.preset.E, topk=k, swiglu_limit=p.swiglu_limit, keep_rows=with_backward,
-                                 fp8=fp8, **plan)
+                                 fp8=fp8, fp8_dgrad=dgrad8 and with_backward, **plan)
     dev = p.x.device
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     w_gate, w_up, w_down = p.w_gate.detach(), p.w_up.detach(), p.w_down.detach()
     weights_fp8 = [kernels.quantize_weights(w.to(torch.bfloat16).contiguous()) for w in (w_gate, w_up, w_down)] \
         if fp8 else []
+    transposes = (kernels.quantize_transposed(w_down.to(torch.bfloat16).contiguous()),
+                  kernels.quantize_transposed(w_gate=w_gate.to(torch.bfloat16).contiguous(),
+                                              w_up=w_up.to(torch.bfloat16).contiguous())) \
+        if dgrad8 and with_backward else None
     El, I = w_gate.shape[0], p.preset.I
     dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk_w = torch.empty(T, k, dtype=torch.float32, device=dev)
@@ -217,7 +227,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
                                                                   p.swiglu_limit)
                 else:
                     dx_shared, *d_shared = _cuda_layer._shared_expert_backward(saved, *shared_w, p.d_y,
-                                                                                p.swiglu_limit)
+                                                                                p.swiglu_limit, fp8_dgrad=dgrad8)
             if not serial_shared:
                 ready = torch.cuda.Event()
                 ready.record(side)
@@ -229,7 +239,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
         w_in.copy_(p.topk_w.detach())
         fused.backward(bases, w_gate, w_up, w_down, dx=dx, d_topk_w=d_topk_w, d_w_gate=d_w[0], d_w_up=d_w[1],
                        d_w_down=d_w[2], context=context, dx_shared=dx_shared, dx_shared_ready=ready,
-                       fp8_gate_up=(weights_fp8[0], weights_fp8[1]) if fp8 and replay else None)
+                       fp8_gate_up=(weights_fp8[0], weights_fp8[1]) if fp8 and replay else None,
+                       fp8_transposes=transposes)
         if not serial_shared and saved is not None:
             main.wait_stream(side)
         calls[0] += 1
@@ -280,7 +291,7 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     gradients returned in the weights' dtype."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU")
-    if problem.case.precision not in ("bf16", "fp8"):
+    if problem.case.precision not in ("bf16", "fp8", "fp8_dgrad"):
         raise Skip(f"precision {problem.case.precision} not implemented yet")
     try:
         import mok

@@ -36,6 +36,8 @@ struct ForwardHandle {
   mok::cuda::MoeBackwardArgs backward;  // its scratch, when the handle has a backward
   bool keeps_rows = false;
   bool fp8 = false;          // the block-scaled fp8 forward (mok_cuda_forward_run_fp8)
+  bool fp8_dgrad = false;    // and its backward's data gradients on e4m3 (Precision::fp8_dgrad)
+  void* dgrad_scratch = nullptr;  // fp8_dgrad: fp8_dgrad_scratch_bytes of the backward's rows (cudaMalloc)
   int64_t context_rows = 0;  // rows of a kept context's x_rows / h / gu (the row capacity, whole minibatches)
   mok::MoeConfig config;
   std::unique_ptr<mok::cuda::FusedBuffers> buffers;  // every local buffer, one allocation
@@ -56,6 +58,7 @@ struct ForwardHandle {
     cudaGetDevice(&current);
     cudaSetDevice(device);
     buffers.reset();
+    if (dgrad_scratch != nullptr) cudaFree(dgrad_scratch);
     if (mirror != nullptr) cudaFreeHost(mirror);
     cudaSetDevice(current);
   }
@@ -264,6 +267,44 @@ int mok_cuda_experts_forward_fp8(int64_t row_capacity, int64_t hidden, int64_t i
   });
 }
 
+namespace {
+// mok_cuda_experts_backward's arguments (and mok_cuda_experts_backward_fp8_dgrad's) as the struct.
+mok::cuda::ExpertsBackwardArgs backward_args(int64_t row_capacity, int64_t hidden, int64_t intermediate,
+                                             int64_t local_experts, const void* expert_offsets, const void* x,
+                                             const void* gu, const void* h, const void* dy, const void* row_weight,
+                                             const void* w_gate, const void* w_up, const void* w_down, void* dgu,
+                                             void* hw, void* dw_partial, void* dx, void* d_row_weight, void* d_w_gate,
+                                             void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit,
+                                             void* status) {
+  mok::cuda::ExpertsBackwardArgs a;
+  a.row_capacity = row_capacity;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.local_experts = local_experts;
+  a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+  a.x = x;
+  a.gu = gu;
+  a.h = h;
+  a.dy = dy;
+  a.row_weight = static_cast<const float*>(row_weight);
+  a.w_gate = w_gate;
+  a.w_up = w_up;
+  a.w_down = w_down;
+  a.dgu = dgu;
+  a.hw = hw;
+  a.dw_partial = static_cast<float*>(dw_partial);
+  a.dx = dx;
+  a.d_row_weight = static_cast<float*>(d_row_weight);
+  a.d_w_gate = d_w_gate;
+  a.d_w_up = d_w_up;
+  a.d_w_down = d_w_down;
+  a.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
+  if (has_limit) a.swiglu_limit = limit;
+  a.status = static_cast<int32_t*>(status);
+  return a;
+}
+}  // namespace
+
 // The backward on the same rows (mok::cuda::ExpertsBackwardArgs, in its field order). which: 0 =
 // all of it, 1 = the dgrad steps only (experts_dgrad), 2 = the weight gradients only (experts_wgrad),
 // 3 and 4 = the dgrad's two launches apart (experts_dh_swiglu_backward, experts_dx).
@@ -274,31 +315,10 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
                               void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit, void* status,
                               void* stream, int which, char* error, int error_len) {
   return kernel_call(error, error_len, [&] {
-    mok::cuda::ExpertsBackwardArgs a;
-    a.row_capacity = row_capacity;
-    a.hidden = hidden;
-    a.intermediate = intermediate;
-    a.local_experts = local_experts;
-    a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
-    a.x = x;
-    a.gu = gu;
-    a.h = h;
-    a.dy = dy;
-    a.row_weight = static_cast<const float*>(row_weight);
-    a.w_gate = w_gate;
-    a.w_up = w_up;
-    a.w_down = w_down;
-    a.dgu = dgu;
-    a.hw = hw;
-    a.dw_partial = static_cast<float*>(dw_partial);
-    a.dx = dx;
-    a.d_row_weight = static_cast<float*>(d_row_weight);
-    a.d_w_gate = d_w_gate;
-    a.d_w_up = d_w_up;
-    a.d_w_down = d_w_down;
-    a.d_w_type = d_w_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
-    if (has_limit) a.swiglu_limit = limit;
-    a.status = static_cast<int32_t*>(status);
+    const mok::cuda::ExpertsBackwardArgs a =
+        backward_args(row_capacity, hidden, intermediate, local_experts, expert_offsets, x, gu, h, dy, row_weight,
+                      w_gate, w_up, w_down, dgu, hw, dw_partial, dx, d_row_weight, d_w_gate, d_w_up, d_w_down,
+                      d_w_bf16, has_limit, limit, status);
     auto s = static_cast<cudaStream_t>(stream);
     if (which == 1) {
       mok::cuda::experts_dgrad(a, s);
@@ -313,6 +333,49 @@ int mok_cuda_experts_backward(int64_t row_capacity, int64_t hidden, int64_t inte
     } else {
       throw std::invalid_argument("mok_cuda_experts_backward: which must be 0 to 4, got " + std::to_string(which));
     }
+  });
+}
+
+// The expert backward at Precision::fp8_dgrad (mok::cuda::experts_backward_fp8_dgrad): the
+// arguments of mok_cuda_experts_backward but the bf16 weights and dw_partial (the scratch holds the
+// partials), then the weights' e4m3 transposes (mok_cuda_quantize_blocks_e4m3_transposed) and
+// mok_cuda_fp8_dgrad_scratch_bytes of scratch.
+int mok_cuda_experts_backward_fp8_dgrad(int64_t row_capacity, int64_t hidden, int64_t intermediate,
+                                        int64_t local_experts, const void* expert_offsets, const void* x,
+                                        const void* gu, const void* h, const void* dy, const void* row_weight,
+                                        void* dgu, void* hw, void* dx, void* d_row_weight, void* d_w_gate,
+                                        void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit,
+                                        void* status, const void* w_down_t, const void* w_down_t_scales,
+                                        const void* w_gate_up_t, const void* w_gate_up_t_scales, void* scratch,
+                                        void* stream, char* error, int error_len) {
+  return kernel_call(error, error_len, [&] {
+    mok::cuda::ExpertsDgradFp8Args a;
+    a.base = backward_args(row_capacity, hidden, intermediate, local_experts, expert_offsets, x, gu, h, dy, row_weight,
+                           nullptr, nullptr, nullptr, dgu, hw, nullptr, dx, d_row_weight, d_w_gate, d_w_up, d_w_down,
+                           d_w_bf16, has_limit, limit, status);
+    a.w_down_t = static_cast<const uint8_t*>(w_down_t);
+    a.w_down_t_scales = static_cast<const float*>(w_down_t_scales);
+    a.w_gate_up_t = static_cast<const uint8_t*>(w_gate_up_t);
+    a.w_gate_up_t_scales = static_cast<const float*>(w_gate_up_t_scales);
+    mok::cuda::wire_fp8_dgrad_scratch(a, scratch);
+    mok::cuda::experts_backward_fp8_dgrad(a, static_cast<cudaStream_t>(stream));
+  });
+}
+
+int64_t mok_cuda_fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, int64_t intermediate) {
+  return mok::cuda::fp8_dgrad_scratch_bytes(row_capacity, hidden, intermediate);
+}
+
+// W [planes, rows, cols] bf16 -> W^T's e4m3 codes [planes, cols, ld_t] at column offset_t and
+// their scales [planes, cols / 128, ld_t / 128] (mok::cuda::quantize_blocks_e4m3_transposed,
+// without the untransposed codes).
+int mok_cuda_quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, void* codes_t,
+                                             void* scales_t, int64_t ld_t, int64_t offset_t, void* stream, char* error,
+                                             int error_len) {
+  return kernel_call(error, error_len, [&] {
+    mok::cuda::quantize_blocks_e4m3_transposed(x, planes, rows, cols, nullptr, nullptr, static_cast<uint8_t*>(codes_t),
+                                               static_cast<float*>(scales_t), ld_t, offset_t,
+                                               static_cast<cudaStream_t>(stream));
   });
 }
 
@@ -338,7 +401,9 @@ void mok_cuda_symmetric_layout(int64_t tokens, int64_t hidden, int64_t topk, int
 // choice (fused_backward: -1 = the planner's, 0 = the stage kernels, 1 = the backward megakernel).
 // `plan_text` (optional) receives the planner's explanation. Returns null on error.
 //
-// fp8: the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8). With keep_rows its
+// fp8: 0 bf16; 1 the block-scaled fp8 forward (called with mok_cuda_forward_run_fp8); 2 that and
+// its backward's data gradients on e4m3 (Precision::fp8_dgrad: the stage kernels, whatever
+// fused_backward says; the handle allocates their scratch). With keep_rows its
 // ring is the row capacity (whole minibatches: every row's e4m3 codes stay where its backward's
 // schedule puts them), and its backward pulls the bf16 x rows again into that ring.
 //
@@ -359,7 +424,9 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     d.num_experts = num_experts;
     d.topk = topk;
     if (has_limit) d.swiglu_limit = limit;
-    if (fp8) d.precision = mok::Precision::fp8_block;  // (whole 128-column scale blocks)
+    if (fp8 < 0 || fp8 > 2)
+      throw std::invalid_argument("fp8 must be 0 (bf16), 1 (fp8_block) or 2 (fp8_dgrad), got " + std::to_string(fp8));
+    if (fp8) d.precision = fp8 == 2 ? mok::Precision::fp8_dgrad : mok::Precision::fp8_block;  // (whole 128-column scale blocks)
     d.validate();
     if (ranks > mok::cuda::kMaxRanks)
       throw std::invalid_argument("ranks=" + std::to_string(ranks) + " exceeds the kernels' pointer tables (" +
@@ -384,6 +451,7 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
     a.rank = rank;
     h->keeps_rows = keep_rows != 0;
     h->fp8 = fp8 != 0;
+    h->fp8_dgrad = fp8 == 2;
     a.comm_ctas = c.comm_sms;
     a.num_sms = facts.sm_count;
     if (has_limit) a.swiglu_limit = limit;
@@ -414,6 +482,14 @@ void* mok_cuda_forward_create(int64_t ranks, int64_t rank, int64_t tokens, int64
       if (const char* path = std::getenv("MOK_EXPERIMENT_BACKWARD"); path != nullptr) {
         if (std::string(path) == "stages") b.fused = false;
         if (std::string(path) == "fused") b.fused = true;
+      }
+      if (h->fp8_dgrad) {  // the stage kernels with the data gradients on e4m3 (the megakernel's are bf16)
+        b.fused = false;
+        b.fp8_dgrad = true;
+        cuda_check(cudaMalloc(&h->dgrad_scratch,
+                              size_t(mok::cuda::fp8_dgrad_scratch_bytes(b.row_capacity, hidden, intermediate))),
+                   "allocate the fp8 dgrad scratch");
+        b.fp8_dgrad_scratch = h->dgrad_scratch;
       }
     }
     if (plan_text != nullptr && plan_len > 0) {
@@ -534,14 +610,17 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
 // gu, or with replay the scratch for them (ctx_x_rows null either way): every rank has written its
 // x again, and the call pulls the bf16 x rows into the handle's ring (MoeBackwardArgs::
 // fp8_forward); a replay quantizes them and reruns the fp8 gate|up with w_gate_codes / w_up_codes
-// and their scales (as mok_cuda_forward_run_fp8 took them; null otherwise). dx_shared (optional) is added in the dx sum, after
+// and their scales (as mok_cuda_forward_run_fp8 took them; null otherwise). On an fp8_dgrad handle
+// (fp8 = 2) w_down_t, w_gate_up_t and their scales are the weights' e4m3 transposes
+// (mok_cuda_quantize_blocks_e4m3_transposed; null on other handles). dx_shared (optional) is added in the dx sum, after
 // dx_shared_ready (optional, a cudaEvent_t recorded after it on another stream).
 int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                           const void* dx_shared, void* dx_shared_ready, void* dx, void* d_topk_w, void* d_w_gate,
                           void* d_w_up, void* d_w_down, int d_w_bf16, int replay, void* ctx_x_rows, void* ctx_h, void* ctx_gu,
                           void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, const void* w_gate_codes,
-                          const void* w_gate_scales, const void* w_up_codes, const void* w_up_scales, void* stream,
-                          char* error, int error_len) {
+                          const void* w_gate_scales, const void* w_up_codes, const void* w_up_scales,
+                          const void* w_down_t, const void* w_down_t_scales, const void* w_gate_up_t,
+                          const void* w_gate_up_t_scales, void* stream, char* error, int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it has no backward");
@@ -575,6 +654,13 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.w_gate_scales = static_cast<const float*>(w_gate_scales);
     b.w_up_codes = w_up_codes;
     b.w_up_scales = static_cast<const float*>(w_up_scales);
+    const bool transposes = w_down_t || w_down_t_scales || w_gate_up_t || w_gate_up_t_scales;
+    if (transposes && !h->fp8_dgrad)
+      throw std::invalid_argument("the weights' transposes are for a handle made with fp8 = 2 (fp8_dgrad)");
+    b.w_down_t_codes = w_down_t;
+    b.w_down_t_scales = static_cast<const float*>(w_down_t_scales);
+    b.w_gate_up_t_codes = w_gate_up_t;
+    b.w_gate_up_t_scales = static_cast<const float*>(w_gate_up_t_scales);
     run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
   });
 }

@@ -347,7 +347,13 @@ void experts_dx(const ExpertsBackwardArgs& a, cudaStream_t stream) {
 }
 
 void experts_wgrad(const ExpertsBackwardArgs& a, cudaStream_t stream) {
-  require(a);
+  // The weights are not read: a caller without bf16 weights (experts_backward_fp8_dgrad's, which
+  // reads their e4m3 transposes) is not refused for them.
+  ExpertsBackwardArgs checked = a;
+  static const char kNotRead = 0;
+  for (const void** w : {&checked.w_gate, &checked.w_up, &checked.w_down})
+    if (*w == nullptr) *w = &kNotRead;
+  require(checked);
   wgrad_launch(a, stream);
 }
 

@@ -46,6 +46,16 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_experts_backward.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 17 + [
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
         ctypes.c_int]
+    lib.mok_cuda_experts_backward_fp8_dgrad.restype = ctypes.c_int
+    # 4 sizes, 13 tensors (offsets .. d_w_down), d_w_bf16, has_limit, limit, status, 4 transposes,
+    # the scratch and the stream, then the error buffer.
+    lib.mok_cuda_experts_backward_fp8_dgrad.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 13 + [
+        ctypes.c_int, ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 7 + [ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_fp8_dgrad_scratch_bytes.restype = ctypes.c_int64
+    lib.mok_cuda_fp8_dgrad_scratch_bytes.argtypes = [ctypes.c_int64] * 3
+    lib.mok_cuda_quantize_blocks_e4m3_transposed.restype = ctypes.c_int
+    lib.mok_cuda_quantize_blocks_e4m3_transposed.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+        ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_copy_bytes.restype = ctypes.c_int
     lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -57,9 +67,10 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_double, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_backward_run.restype = ctypes.c_int
     # handle, bases, then 10 tensors and events, d_w_bf16, replay, 6 context buffers, the fp8 replay's
-    # 4 gate|up weight buffers (codes, scales) and the stream, then the error buffer.
+    # 4 gate|up weight buffers (codes, scales), fp8_dgrad's 4 transposes and the stream, then the
+    # error buffer.
     lib.mok_cuda_backward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 10 + [
-        ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 11 + [ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 15 + [ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_context_rows.restype = ctypes.c_int64
     lib.mok_cuda_forward_context_rows.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_destroy.restype = None
@@ -309,6 +320,93 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
         raise ValueError(error.value.decode())
 
 
+def quantize_transposed(w_down: torch.Tensor | None = None, w_gate: torch.Tensor | None = None,
+                        w_up: torch.Tensor | None = None, *,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 dgrad's weight operands, block-scaled e4m3 of the weights' transposes (a 128 x 128
+    block's scale is its transpose's: the codes are quantize_weights', moved): either
+    W_down^T [El, I, H] from w_down [El, H, I] bf16, with scales [El, I / 128, H / 128]; or
+    [W_gate^T | W_up^T] [El, H, 2I] from w_gate and w_up [El, I, H] bf16, with scales
+    [El, H / 128, 2I / 128]. Into ``out`` (codes, scales) when given, which it returns."""
+    if (w_down is None) == (w_gate is None) or (w_gate is None) != (w_up is None):
+        raise ValueError("give w_down alone, or w_gate and w_up")
+    planes_of = [w_down] if w_down is not None else [w_gate, w_up]
+    first = planes_of[0]
+    if first.dim() != 3:
+        raise ValueError(f"the weights must be [planes, rows, cols], got shape {tuple(first.shape)}")
+    planes, rows, cols = first.shape
+    _check_tensors(tuple((name, w, (planes, rows, cols), torch.bfloat16)
+                         for name, w in zip(("w_down",) if w_down is not None else ("w_gate", "w_up"), planes_of)))
+    if rows % 128 or cols % 128:
+        raise ValueError(f"the weights' rows and columns must be multiples of 128, got {rows} x {cols}")
+    ld = rows * len(planes_of)
+    shape, scale_shape = (planes, cols, ld), (planes, cols // 128, ld // 128)
+    if out is None:
+        codes = torch.empty(shape, dtype=torch.float8_e4m3fn, device=first.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=first.device)
+    else:
+        codes, scales = out
+        _check_tensors((("codes", codes, shape, torch.float8_e4m3fn), ("scales", scales, scale_shape, torch.float32)),
+                       first.device)
+    error = ctypes.create_string_buffer(512)
+    with torch.cuda.device(first.device):
+        for i, w in enumerate(planes_of):
+            rc = _lib().mok_cuda_quantize_blocks_e4m3_transposed(
+                _ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales), ld, i * rows,
+                torch.cuda.current_stream(first.device).cuda_stream, error, len(error))
+            if rc != 0:
+                raise ValueError(error.value.decode())
+    return codes, scales
+
+
+def fp8_dgrad_scratch(rows: int, hidden: int, intermediate: int, device: torch.device) -> torch.Tensor:
+    """The scratch of :func:`experts_backward_fp8_dgrad` for `rows` rows (dy's and dg|du's codes and
+    scales, the d row weight partials), uint8."""
+    n = int(_lib().mok_cuda_fp8_dgrad_scratch_bytes(rows, hidden, intermediate))
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+def experts_backward_fp8_dgrad(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
+                               dy: torch.Tensor, row_weight: torch.Tensor,
+                               w_down_t: tuple[torch.Tensor, torch.Tensor],
+                               w_gate_up_t: tuple[torch.Tensor, torch.Tensor], *, dx: torch.Tensor,
+                               d_row_weight: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
+                               d_w_down: torch.Tensor, scratch: BackwardScratch, dgrad_scratch: torch.Tensor,
+                               swiglu_limit: float | None = None, status: torch.Tensor | None = None) -> None:
+    """experts_backward at precision fp8_dgrad: dh and dx on block-scaled e4m3 (dy's and dg|du's rows
+    quantized 1 x 128; the weights' transposes from :func:`quantize_transposed`), the SwiGLU
+    backward, d row weight and the weight gradients as experts_backward computes them (scratch's
+    dgu and hw; its dw_partial unused). dgrad_scratch: :func:`fp8_dgrad_scratch` of these rows.
+    Asynchronous on the current stream."""
+    (wdt, wdts), (wgut, wguts) = w_down_t, w_gate_up_t
+    El, I, H = wdt.shape
+    rows = x_rows.shape[0]
+    bf16, f32, e4m3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+    gw = _grad_dtype(d_w_gate)
+    need = int(_lib().mok_cuda_fp8_dgrad_scratch_bytes(rows, H, I))
+    _check_tensors((
+        ("x_rows", x_rows, (rows, H), bf16), ("gu", gu, (rows, 2 * I), bf16), ("h", h, (rows, I), bf16),
+        ("dy", dy, (rows, H), bf16), ("row_weight", row_weight, (rows,), f32),
+        ("w_down_t codes", wdt, (El, I, H), e4m3), ("w_down_t scales", wdts, (El, I // 128, H // 128), f32),
+        ("w_gate_up_t codes", wgut, (El, H, 2 * I), e4m3),
+        ("w_gate_up_t scales", wguts, (El, H // 128, 2 * I // 128), f32),
+        ("dx", dx, (rows, H), bf16), ("d_row_weight", d_row_weight, (rows,), f32),
+        ("d_w_gate", d_w_gate, (El, I, H), gw), ("d_w_up", d_w_up, (El, I, H), gw),
+        ("d_w_down", d_w_down, (El, H, I), gw), ("scratch.dgu", scratch.dgu, (rows, 2 * I), bf16),
+        ("scratch.hw", scratch.hw, (rows, I), bf16), ("dgrad_scratch", dgrad_scratch, (need,), torch.uint8)))
+    if offsets.dtype != torch.int32 or offsets.shape != (El + 1,) or not offsets.is_cuda:
+        raise ValueError(f"offsets must be int32 [{El + 1}] on the GPU, got {offsets.dtype} {tuple(offsets.shape)}")
+    error = ctypes.create_string_buffer(512)
+    rc = _lib().mok_cuda_experts_backward_fp8_dgrad(
+        rows, H, I, El, _ptr(offsets), _ptr(x_rows), _ptr(gu), _ptr(h), _ptr(dy), _ptr(row_weight),
+        _ptr(scratch.dgu), _ptr(scratch.hw), _ptr(dx), _ptr(d_row_weight), _ptr(d_w_gate), _ptr(d_w_up),
+        _ptr(d_w_down), int(gw == bf16), int(swiglu_limit is not None), float(swiglu_limit or 0.0), _ptr(status),
+        _ptr(wdt), _ptr(wdts), _ptr(wgut), _ptr(wguts), _ptr(dgrad_scratch), torch.cuda.current_stream().cuda_stream,
+        error, len(error))
+    if rc != 0:
+        raise ValueError(error.value.decode())
+
+
 def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int, blocks: int = 0) -> None:
     """An SM copy between raw device addresses (either may be a peer's symmetric-memory address) on
     the current stream; 16-byte aligned pointers and size. For the harness's NVLink ceilings."""
@@ -380,13 +478,18 @@ class FusedForward:
     def __init__(self, *, ranks: int, rank: int, tokens: int, hidden: int, intermediate: int, num_experts: int,
                  topk: int, swiglu_limit: float | None = None, comm_sms: int = 0, minibatch_rows: int = 0,
                  ring_rows: int = 0, fused_backward: int = -1, keep_rows: bool = False, fp8: bool = False,
-                 timeout_s: float = 10.0) -> None:
+                 fp8_dgrad: bool = False, timeout_s: float = 10.0) -> None:
+        """fp8: the block-scaled fp8 forward (:meth:`run_fp8`); fp8_dgrad (with fp8): its backward's
+        data gradients on e4m3 too (the stage kernels, whatever fused_backward says)."""
         self._handle = None
+        if fp8_dgrad and not fp8:
+            raise ValueError("fp8_dgrad is the backward of an fp8 forward: give fp8=True")
         plan = ctypes.create_string_buffer(4096)
         error = ctypes.create_string_buffer(512)
         handle = _lib().mok_cuda_forward_create(
             ranks, rank, tokens, hidden, intermediate, num_experts, topk, int(swiglu_limit is not None),
-            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, fused_backward, int(keep_rows), int(fp8),
+            float(swiglu_limit or 0.0), comm_sms, minibatch_rows, ring_rows, fused_backward, int(keep_rows),
+            2 if fp8_dgrad else int(fp8),
             timeout_s,
             plan,
             len(plan), error, len(error))
@@ -399,6 +502,7 @@ class FusedForward:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.keep_rows = keep_rows
         self.fp8 = fp8
+        self.fp8_dgrad = fp8_dgrad
         self.row_capacity = int(_lib().mok_cuda_forward_row_capacity(handle))
         self.context_rows = int(_lib().mok_cuda_forward_context_rows(handle))
 
@@ -476,7 +580,8 @@ class FusedForward:
                  dx: torch.Tensor, d_topk_w: torch.Tensor, d_w_gate: torch.Tensor, d_w_up: torch.Tensor,
                  d_w_down: torch.Tensor, context: Context, dx_shared: torch.Tensor | None = None,
                  dx_shared_ready: torch.cuda.Event | None = None,
-                 fp8_gate_up: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                 fp8_gate_up: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 fp8_transposes: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
                  ) -> None:
         """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
         topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
@@ -485,7 +590,9 @@ class FusedForward:
         fp8 gate|up with ``fp8_gate_up`` = (W_gate, W_up) as :meth:`run_fp8` took them). Weight
         gradients are fp32, or bf16 when d_w_* are (the kernels write them, half the bytes).
         dx_shared is added in the fp32 dx sum (one rounding); dx_shared_ready: an event recorded
-        after it on another stream, which only that sum waits for. Asynchronous."""
+        after it on another stream, which only that sum waits for. On an fp8_dgrad handle
+        ``fp8_transposes`` = (W_down^T, [W_gate^T | W_up^T]) from :func:`quantize_transposed`.
+        Asynchronous."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16, f32 = torch.bfloat16, torch.float32
@@ -516,11 +623,25 @@ class FusedForward:
             El, I, H = self.local_experts, self.intermediate, self.hidden
             _check_tensors(tuple(_fp8_weight_specs(fp8_gate_up[0], fp8_gate_up[1], None, El, H, I)), device=dx.device)
             gate_up = [wgq.data_ptr(), wgs.data_ptr(), wuq.data_ptr(), wus.data_ptr()]
+        transposes = [None] * 4
+        if self.fp8_dgrad:
+            if fp8_transposes is None:
+                raise ValueError("an fp8_dgrad backward reads the weights' e4m3 transposes: give fp8_transposes "
+                                 "(quantize_transposed of w_down, and of w_gate with w_up)")
+            (wdt, wdts), (wgut, wguts) = fp8_transposes
+            e4m3 = torch.float8_e4m3fn
+            _check_tensors((("W_down^T codes", wdt, (El, I, H), e4m3),
+                            ("W_down^T scales", wdts, (El, I // 128, H // 128), f32),
+                            ("[W_gate^T | W_up^T] codes", wgut, (El, H, 2 * I), e4m3),
+                            ("[W_gate^T | W_up^T] scales", wguts, (El, H // 128, 2 * I // 128), f32)), device=dx.device)
+            transposes = [wdt.data_ptr(), wdts.data_ptr(), wgut.data_ptr(), wguts.data_ptr()]
+        elif fp8_transposes is not None:
+            raise ValueError("fp8_transposes are for a FusedForward made with fp8_dgrad=True")
         rc = _lib().mok_cuda_backward_run(
             self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(dx_shared), _event(dx_shared_ready),
             _ptr(dx), _ptr(d_topk_w),
             _ptr(d_w_gate), _ptr(d_w_up), _ptr(d_w_down), int(gw == bf16), int(context.replay), *ctx, *gate_up,
-            torch.cuda.current_stream().cuda_stream, error, len(error))
+            *transposes, torch.cuda.current_stream().cuda_stream, error, len(error))
         del replayed
         _raise(rc, error)
 

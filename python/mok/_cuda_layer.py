@@ -18,7 +18,8 @@ with ``save_context=False`` it keeps only x and its schedule, runs in the planne
 backward replays the rows: it pulls them again and reruns gate|up + SwiGLU (not the down GEMM or
 the combine), the same bits as a kept context. An fp8 training forward keeps h, g|u and x (its
 workspace's e4m3 ring is the row capacity); its backward pulls the bf16 rows again and runs the
-bf16 backward on them.
+bf16 backward on them. At fp8_dgrad that backward's data gradients run on e4m3 (stage kernels),
+with the weights' transposes quantized once per weight version, as the forward's codes are.
 
 No host sync and no allocation outside torch's allocator happen in a call, so a training step can
 be captured in a CUDA graph (``torch.cuda.graph``) after a warm-up call that made the workspace;
@@ -60,6 +61,7 @@ class _Key:
     plan: tuple[tuple[str, int], ...] = ()  # overrides of the planner (comm_sms, minibatch_rows, ring_rows,
     #                                         fused_backward)
     fp8: bool = False  # the block-scaled fp8 forward (its backward: bf16, on the fp8 forward's h and g|u)
+    fp8_dgrad: bool = False  # with fp8 (training): the backward's data gradients on e4m3 too (stage kernels)
     # The handle keeps rows for backwards. Always at bf16 (one workspace serves training and
     # no_grad calls); at fp8 only for training calls, whose ring holds every row (the row
     # capacity in e4m3, h, the scales): no_grad fp8 calls get a workspace of their own in the
@@ -68,7 +70,7 @@ class _Key:
 
     def shapes(self) -> tuple[object, ...]:
         return (self.group_name, self.tokens, self.hidden, self.intermediate, self.num_experts, self.topk, self.device,
-                self.fp8, self.keep_rows)
+                self.fp8, self.fp8_dgrad, self.keep_rows)
 
 
 def _keeps_rows(fp8: bool, needs_grad: bool) -> bool:
@@ -81,10 +83,14 @@ def needs_grad(*tensors: object) -> bool:
 
 
 def _key(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-         plan: dict[str, int] | None, fp8: bool = False, keep_rows: bool = True) -> _Key:
+         plan: dict[str, int] | None, precision: str = "bf16", training: bool = True) -> _Key:
+    """The workspace key of a call at ``precision`` ("bf16", "fp8" or "fp8_dgrad"; fp8_dgrad's
+    no_grad calls share fp8's workspace: only a backward differs)."""
     El, I, H = w_gate.shape
+    fp8 = precision in ("fp8", "fp8_dgrad")
     return _Key(group_name, x.shape[0], H, I, El * _dist.resolve(group_name).size, topk, swiglu_limit,
-                x.device.index or 0, tuple(sorted((plan or {}).items())), fp8, keep_rows)
+                x.device.index or 0, tuple(sorted((plan or {}).items())), fp8, precision == "fp8_dgrad" and training,
+                _keeps_rows(fp8, training))
 
 
 class _Workspace:
@@ -99,7 +105,8 @@ class _Workspace:
             "topk": k, "swiglu_limit": key.swiglu_limit, "MoeConfig comm_sms": plan.get("comm_sms"),
             "MoeConfig minibatch_rows": plan.get("minibatch_rows"), "MoeConfig ring_rows": plan.get("ring_rows"),
             "MoeConfig fused_backward": plan.get("fused_backward"),
-            "MoeConfig precision": "fp8" if key.fp8 else "bf16", "training (keeps rows)": key.keep_rows})
+            "MoeConfig precision": "fp8_dgrad" if key.fp8_dgrad else "fp8" if key.fp8 else "bf16",
+            "training (keeps rows)": key.keep_rows})
         self.layout = kernels.symmetric_layout(T, H, k, R)
         total = self.layout["total"]
         if ep.size == 1:
@@ -121,7 +128,8 @@ class _Workspace:
             torch.distributed.barrier(group=ep.pg)
         self.fused = kernels.FusedForward(ranks=R, rank=ep.rank, tokens=T, hidden=H, intermediate=key.intermediate,
                                           num_experts=key.num_experts, topk=k, swiglu_limit=key.swiglu_limit,
-                                          keep_rows=key.keep_rows, fp8=key.fp8, **dict(key.plan))
+                                          keep_rows=key.keep_rows, fp8=key.fp8, fp8_dgrad=key.fp8_dgrad,
+                                          **dict(key.plan))
         self.x = self._view("x", torch.bfloat16, (T, H))
         self.topk_idx = self._view("topk_idx", torch.int32, (T, k))
         self.topk_w = self._view("topk_w", torch.float32, (T, k))
@@ -145,8 +153,8 @@ def _refuse_in_capture(what: str) -> None:
 
 
 def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limit: float | None,
-              plan: dict[str, int] | None = None, fp8: bool = False, training: bool = True) -> _Workspace:
-    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan, fp8, _keeps_rows(fp8, training))
+              plan: dict[str, int] | None = None, precision: str = "bf16", training: bool = True) -> _Workspace:
+    key = _key(group_name, x, w_gate, topk, swiglu_limit, plan, precision, training)
     ws = _WORKSPACES.get(key)
     if ws is None:
         _refuse_in_capture("the workspace")
@@ -155,14 +163,14 @@ def workspace(group_name: str, x: Tensor, w_gate: Tensor, topk: int, swiglu_limi
     return ws
 
 
-def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object, fp8: bool = False,
+def has_workspace(group_name: str, x: object, w_gate: object, topk_w: object, precision: str = "bf16",
                   training: bool = True) -> bool:
     """Whether a call of these shapes on this group has made its workspace here already (so the
     peers are past that workspace's agreement), as far as the inputs tell: True when they do not
     (an input without a shape)."""
     try:
-        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None, fp8,  # type: ignore[arg-type,attr-defined]
-                      _keeps_rows(fp8, training)).shapes()
+        shapes = _key(group_name, x, w_gate, topk_w.shape[1], None, None, precision,  # type: ignore[arg-type,attr-defined]
+                      training).shapes()
     except (AttributeError, IndexError, TypeError, ValueError):
         return True
     return any(k.shapes() == shapes for k in _WORKSPACES)
@@ -213,7 +221,9 @@ class _FusedMoe(torch.autograd.Function):
     e4m3 and keep their g|u and h; the backward is the bf16 one on those, with the bf16 weights
     (the quantization passes gradients straight through, as the CPU oracle's fp8 layer defines
     it), and pulls the bf16 x rows again. The shared expert's dx enters the call's
-    fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards). Its backward runs before the
+    fixed-order fp32 dx sum (one rounding, not a bf16 add afterwards). On an fp8_dgrad workspace the
+    routed and the shared experts' data gradients are on block-scaled e4m3 (ref::layer_backward at
+    that precision). Its backward runs before the
     call, on the same stream: on a side stream beside the routed backward it was slower (2 H200s,
     8192 tokens per rank: Kimi K2 31.5 ms against 29.9, DeepSeek-V4 36.9 against 33.8; its GEMMs
     take SMs the routed persistent kernels count on)."""
@@ -267,7 +277,8 @@ class _FusedMoe(torch.autograd.Function):
         dx_shared = None
         if ctx.has_shared:
             dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
-                                                        ctx.swiglu_limit)  # type: ignore[arg-type]
+                                                        ctx.swiglu_limit,  # type: ignore[arg-type]
+                                                        fp8_dgrad=ws.fused.fp8_dgrad)
             shared_grads = tuple(grads)
         if replay or ws.fused.fp8:  # every rank's x is pulled again
             ws.x.copy_(x)
@@ -282,9 +293,10 @@ class _FusedMoe(torch.autograd.Function):
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
         fp8_gate_up = (_fp8_weight(w_gate), _fp8_weight(w_up)) if ws.fused.fp8 and replay else None
+        transposes = _fp8_transposes(w_gate, w_up, w_down) if ws.fused.fp8_dgrad else None
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
-                          dx_shared=dx_shared, fp8_gate_up=fp8_gate_up)
+                          dx_shared=dx_shared, fp8_gate_up=fp8_gate_up, fp8_transposes=transposes)
         if not replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
         return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
@@ -350,10 +362,12 @@ def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tens
 
 
 def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor, s_up: Tensor, s_down: Tensor,
-                            dy: Tensor, swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            dy: Tensor, swiglu_limit: float | None,
+                            fp8_dgrad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx, d s_gate, d s_up, d s_down of the shared expert on MoK's expert kernels (the dh GEMM with
-    the fused SwiGLU backward, dx, the weight gradients; fixed reduction order). The weight
-    gradients in the weights' dtypes."""
+    the fused SwiGLU backward, dx, the weight gradients; fixed reduction order; with ``fp8_dgrad``
+    dh and dx on block-scaled e4m3, as the routed experts'). The weight gradients in the weights'
+    dtypes."""
     x_rows, gu, h = saved
     rows, H = x_rows.shape
     T = dy.shape[0]
@@ -367,55 +381,84 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
     d_gate = torch.empty(1, Is, H, dtype=grad, device=dy.device)
     d_up = torch.empty(1, Is, H, dtype=grad, device=dy.device)
     d_down = torch.empty(1, H, Is, dtype=grad, device=dy.device)
-    kernels.experts_backward(x_rows, offsets, gu, h, _padded(dy, rows), weight, wg, wu, wd, dx=dx,
-                             d_row_weight=d_weight, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down,
-                             scratch=kernels.BackwardScratch(rows, Is, dy.device), swiglu_limit=swiglu_limit)
+    scratch = kernels.BackwardScratch(rows, Is, dy.device)
+    if fp8_dgrad:
+        kernels.experts_backward_fp8_dgrad(x_rows, offsets, gu, h, _padded(dy, rows), weight,
+                                           *_fp8_transposes(s_gate, s_up, s_down), dx=dx, d_row_weight=d_weight,
+                                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, scratch=scratch,
+                                           dgrad_scratch=kernels.fp8_dgrad_scratch(rows, H, Is, dy.device),
+                                           swiglu_limit=swiglu_limit)
+    else:
+        kernels.experts_backward(x_rows, offsets, gu, h, _padded(dy, rows), weight, wg, wu, wd, dx=dx,
+                                 d_row_weight=d_weight, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down,
+                                 scratch=scratch, swiglu_limit=swiglu_limit)
     return (dx[:T], d_gate[0].to(s_gate.dtype), d_up[0].to(s_up.dtype), d_down[0].to(s_down.dtype))
 
 
-# The fp8 forward's weights, quantized once per weight tensor and version (a step that changes a
-# weight in place bumps its version): id(weight) -> (a weak reference to it, its (data_ptr, shape,
-# dtype, version), (codes, scales)). The entry goes when the weight does. (Keyed by id: a
-# WeakKeyDictionary compares tensors with ==, which is elementwise.)
-_FP8_WEIGHTS: dict[int, tuple[weakref.ref, tuple[object, ...], tuple[Tensor, Tensor]]] = {}
-# Weights whose codes a CUDA graph requantizes on every replay: id -> the buffers the graphs
-# write, held while the weight lives (a graph keeps raw addresses). A replay can change a weight
+# The fp8 layer's weight operands, quantized once per weight tensor(s) and version (a step that
+# changes a weight in place bumps its version): (kind, id(weight), ...) -> (weak references to the
+# weights, their (data_ptr, shape, dtype, version), (codes, scales)). kind "codes": a weight's
+# codes (the forward's); "down_t" / "gate_up_t": fp8_dgrad's transposes of W_down and of W_gate
+# with W_up. The entry goes when a weight does. (Keyed by id: a WeakKeyDictionary compares
+# tensors with ==, which is elementwise.)
+_FP8_WEIGHTS: dict[tuple[object, ...], tuple[tuple[weakref.ref, ...], tuple[object, ...], tuple[Tensor, Tensor]]] = {}
+# Entries whose codes a CUDA graph requantizes on every replay: key -> the buffers the graphs
+# write, held while the weights live (a graph keeps raw addresses). A replay can change a weight
 # without a version bump (an optimizer step in the graph), so an eager call never trusts them.
-_FP8_IN_GRAPHS: dict[int, tuple[Tensor, Tensor]] = {}
+_FP8_IN_GRAPHS: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+
+
+def _planes(w: Tensor) -> Tensor:
+    """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as bf16 planes."""
+    return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
+
+
+def _cached_fp8(kind: str, weights: tuple[Tensor, ...],
+                quantize: Any) -> tuple[Tensor, Tensor]:
+    """quantize(out) of ``weights`` (out: None, or the cached buffers to write), cached per version.
+    Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
+    warm-up call), so every replay quantizes the weights' values at that time."""
+    key = (kind, *(id(w) for w in weights))
+    stamps = tuple((w.data_ptr(), tuple(w.shape), w.dtype, w._version) for w in weights)
+    cached = _FP8_WEIGHTS.get(key)
+    same_tensors = cached is not None and all(ref() is w for ref, w in zip(cached[0], weights)) and all(
+        old[:3] == new[:3] for old, new in zip(cached[1], stamps))
+    if torch.cuda.is_current_stream_capturing():
+        if cached is None or not same_tensors:
+            raise RuntimeError("mok: precision='fp8' quantizes each weight into buffers made by its first call, "
+                               "which cannot run inside a CUDA graph capture: make one call with these weights "
+                               "before capturing")
+        _FP8_IN_GRAPHS[key] = cached[2]
+        return quantize(cached[2])
+    if key in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached
+        return quantize(None)
+    if same_tensors and cached is not None and cached[1] == stamps:
+        return cached[2]
+    q = quantize(None)
+
+    def forget(_: object, key: tuple[object, ...] = key) -> None:
+        _FP8_WEIGHTS.pop(key, None)
+        _FP8_IN_GRAPHS.pop(key, None)
+
+    _FP8_WEIGHTS[key] = (tuple(weakref.ref(w, forget) for w in weights), stamps, q)
+    return q
 
 
 def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [planes, rows, cols] (or one plane [rows, cols], the shared expert's) as block-scaled e4m3
-    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached per version.
-    Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
-    warm-up call), so every replay quantizes the weight's values at that time."""
-    stamp = (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
-    cached = _FP8_WEIGHTS.get(id(w))
-    same_tensor = cached is not None and cached[0]() is w and cached[1][:3] == stamp[:3]
+    (kernels.quantize_weights: [planes, rows, cols] codes, block scales), cached per version."""
+    return _cached_fp8("codes", (w,), lambda out: kernels.quantize_weights(_planes(w), out=out))
 
-    def planes() -> Tensor:  # (a conversion only where a quantization runs)
-        return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
 
-    if torch.cuda.is_current_stream_capturing():
-        if cached is None or not same_tensor:
-            raise RuntimeError("mok: precision='fp8' quantizes each weight into buffers made by its first call, "
-                               "which cannot run inside a CUDA graph capture: make one call with these weights "
-                               "before capturing")
-        _FP8_IN_GRAPHS[id(w)] = cached[2]
-        return kernels.quantize_weights(planes(), out=cached[2])
-    if id(w) in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached
-        return kernels.quantize_weights(planes())
-    if same_tensor and cached is not None and cached[1] == stamp:
-        return cached[2]
-    q = kernels.quantize_weights(planes())
-    key = id(w)
-
-    def forget(_: object, key: int = key) -> None:
-        _FP8_WEIGHTS.pop(key, None)
-        _FP8_IN_GRAPHS.pop(key, None)
-
-    _FP8_WEIGHTS[key] = (weakref.ref(w, forget), stamp, q)
-    return q
+def _fp8_transposes(w_gate: Tensor, w_up: Tensor, w_down: Tensor
+                    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """fp8_dgrad's weight operands (kernels.quantize_transposed): W_down^T and [W_gate^T | W_up^T]
+    in block-scaled e4m3 (each weight [planes, rows, cols], or one plane, the shared expert's),
+    cached per version as the forward's codes are."""
+    down_t = _cached_fp8("down_t", (w_down,), lambda out: kernels.quantize_transposed(_planes(w_down), out=out))
+    gate_up_t = _cached_fp8("gate_up_t", (w_gate, w_up), lambda out: kernels.quantize_transposed(
+        w_gate=_planes(w_gate), w_up=_planes(w_up), out=out))
+    return down_t, gate_up_t
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -433,7 +476,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     training = needs_grad(*leaves)
-    fp8 = precision == "fp8"
+    fp8 = precision in ("fp8", "fp8_dgrad")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
@@ -442,7 +485,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
             return y
         return y + (torch.stack([t.sum().float() for t in leaves]).sum() * 0).to(torch.bfloat16)
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
-        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, fp8, training)
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, training)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
         if not training:
             y_shared = None

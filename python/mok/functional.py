@@ -75,7 +75,11 @@ class MoeConfig:
     weights are quantized once per weight version. Its backward is the bf16 one on the fp8
     forward's own g|u and h with the bf16 weights (the quantization passes gradients straight
     through); with save_context=False the backward pulls the rows again, quantizes them and reruns
-    the fp8 gate|up (the same bits as a kept context). A training call's
+    the fp8 gate|up (the same bits as a kept context). "fp8_dgrad": fp8's forward, and the
+    backward's two data-gradient GEMMs (dh = dy W_down, dx = [dg|du] [W_gate; W_up]) on block-scaled
+    e4m3 too (dy and dg|du quantized 1 x 128, the weights' transposes 128 x 128, cached per weight
+    version like the forward's codes); the weight gradients stay bf16 GEMMs. Its backward runs as
+    stage kernels (the backward megakernel is bf16; fused_backward does not apply). A training call's
     ring holds every row (ring_rows then changes nothing; no_grad calls run in the planned ring).
     In a CUDA graph, the weights' quantization is captured too (after the warm-up call).
     """
@@ -86,7 +90,7 @@ class MoeConfig:
     ring_budget_bytes: int | None = None  # the ring's byte budget when ring_rows is not given
     # The GPU backward as one megakernel launch (True) or as stage kernels (False): the same bits.
     fused_backward: bool | None = None
-    precision: str | None = None  # None / "bf16", or "fp8" (GPU; bf16 backward)
+    precision: str | None = None  # None / "bf16", "fp8" (GPU; bf16 backward) or "fp8_dgrad" (GPU; e4m3 data gradients)
 
 
 class Schedule(NamedTuple):
@@ -226,12 +230,12 @@ def _check_config(config: object) -> None:
             _int_or_none(value, f"MoeConfig.{f.name}")
 
 
-PRECISIONS = (None, "bf16", "fp8")
+PRECISIONS = (None, "bf16", "fp8", "fp8_dgrad")
 
 
 def _precision(config: MoeConfig | None) -> str:
-    """The experts' precision a (checked) config asks for: "bf16" or "fp8"."""
-    return "fp8" if config is not None and config.precision == "fp8" else "bf16"
+    """The experts' precision a (checked) config asks for: "bf16", "fp8" or "fp8_dgrad"."""
+    return config.precision if config is not None and config.precision in ("fp8", "fp8_dgrad") else "bf16"
 
 
 def _plan(desc: Any, device: torch.device, config: MoeConfig) -> dict[str, Any]:
@@ -516,7 +520,7 @@ def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up:
     precision = _precision(config) if isinstance(config, MoeConfig) else "bf16"
     training = _cuda_layer.needs_grad(x, topk_w, w_gate, w_up, w_down,
                                       *(shared if isinstance(shared, (tuple, list)) else ()))
-    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w, precision == "fp8", training) or x.shape[0] == 0:
+    if _cuda_layer.has_workspace(group_name, x, w_gate, topk_w, precision, training) or x.shape[0] == 0:
         # The peers are past this workspace's agreement and go straight into the fused call: this
         # rank raises alone, and they raise at its start barrier, naming this rank. A report to
         # them would wait in a collective they never enter. (With no tokens nobody makes a
@@ -555,11 +559,11 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
     if config is None:
         return None
     _check_config(config)
-    if _precision(config) == "fp8":
+    if _precision(config) != "bf16":
         bad = {name: n for name, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
                                        ("shared intermediate", shape.shared_intermediate)) if n % 128 != 0}
         if bad:
-            raise ValueError(f"mok.moe: precision='fp8' needs whole 128-column scale blocks: "
+            raise ValueError(f"mok.moe: precision={_precision(config)!r} needs whole 128-column scale blocks: "
                              + ", ".join(f"{name} {n}" for name, n in bad.items()) + " is not a multiple of 128")
     if all(getattr(config, f.name) is None for f in fields(MoeConfig) if f.name != "precision"):
         return None  # the planner's defaults: the same workspace as no config
@@ -584,10 +588,10 @@ def _moe_ops(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: 
     stages' results do not depend on config; it is checked all the same."""
     s_gate, s_up, s_down, shape, _ = _checked(group_name, "build_schedule", lambda: _check_moe(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config, ranks))
-    if _precision(config) == "fp8" and not _is_fake(x):
-        raise NotImplementedError("mok.moe: precision='fp8' runs on the GPU only (the fp8 megakernel); these "
-                                  "tensors are on the CPU. The CPU reference of the fp8 layer is `mok run "
-                                  "--precision fp8` (C++)")
+    if _precision(config) != "bf16" and not _is_fake(x):
+        raise NotImplementedError(f"mok.moe: precision={_precision(config)!r} runs on the GPU only (the fp8 "
+                                  "megakernel); these tensors are on the CPU. The CPU reference of the fp8 layer is "
+                                  f"`mok run --precision {_precision(config)}` (C++)")
     if swiglu_limit is not None:
         swiglu_limit = float(swiglu_limit)
     schedule = torch.ops.mok.build_schedule(topk_idx.contiguous(), shape.local_experts * ranks, group_name)

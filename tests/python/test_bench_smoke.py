@@ -187,9 +187,10 @@ def test_case_tables_are_well_formed() -> None:
 
 
 def test_fp8_tables_pair_each_shape_with_bf16_and_check_at_the_fp8_bound() -> None:
-    """fp8_1gpu / fp8_2gpu: layer cases (forward and backward), each shape at fp8 and bf16, on presets whose
-    hidden and intermediate sizes are whole 128-column blocks; fp8 rows are checked at 0.12, bf16
-    rows at 0.02; a precision filter selects one of the two; an unknown precision is refused."""
+    """fp8_1gpu / fp8_2gpu: layer cases (forward and backward), each shape at fp8, fp8_dgrad and bf16,
+    on presets whose hidden and intermediate sizes are whole 128-column blocks; fp8 and fp8_dgrad rows
+    are checked at 0.12, bf16 rows at 0.02; a precision filter selects one; an unknown precision is
+    refused."""
     sys.path.insert(0, str(REPO))
     from bench.cases import TABLES, Case, select_cases
     from bench.presets import PRESETS
@@ -201,12 +202,14 @@ def test_fp8_tables_pair_each_shape_with_bf16_and_check_at_the_fp8_bound() -> No
         assert table and all(c.ranks == ranks and c.passes == ("forward", "backward") and c.kind == "layer" for c in table)
         fp8 = {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "fp8"}
         assert fp8 == {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "bf16"}
+        assert fp8 == {(c.preset, c.tokens_per_rank, c.routing) for c in table if c.precision == "fp8_dgrad"}
         for c in table:
             p = PRESETS[c.preset]
             assert p.H % 128 == 0 and p.I % 128 == 0 and p.shared_I % 128 == 0
     picked = select_cases("fp8_1gpu:precision=fp8,tokens=8192")
     assert picked and all(c.precision == "fp8" and c.tokens_per_rank == 8192 for c in picked)
     assert tolerance(picked[0]) == 0.12 and tolerance(TABLES["baselines_1gpu"][0]) == 0.02
+    assert tolerance(select_cases("fp8_1gpu:precision=fp8_dgrad")[0]) == 0.12
     assert _routing({"routing": "zipf", "precision": "fp8"}) == "zipf fp8"
     assert _routing({"routing": "zipf", "precision": "bf16"}) == "zipf"
     with pytest.raises(ValueError, match="precision must be one of"):

@@ -33,6 +33,8 @@ CASES = [
     td.Case("no_tokens", 0, 4, 256, 128, 2, shared=64),
     # fp8: the fp8 megakernel pulls e4m3 rows over NVLink; its backward pulls the bf16 rows again.
     td.Case("zipf_shared_clamped_fp8", 300, 8, 512, 256, 4, shared=128, limit=7.0, routing="zipf", precision="fp8"),
+    # fp8_dgrad: that forward, the backward's data gradients on e4m3 (the stage kernels).
+    td.Case("uniform_shared_fp8_dgrad", 300, 8, 512, 256, 4, shared=128, precision="fp8_dgrad"),
 ]
 NAMES = ("y", "dx", "d_topk_w", "d_gate", "d_up", "d_down")
 SHARED = ("d_shared_gate", "d_shared_up", "d_shared_down")

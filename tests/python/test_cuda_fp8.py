@@ -247,7 +247,8 @@ def test_fp8_training_matches_the_straight_through_reference_bit_for_bit_on_a_re
     assert {(k.fp8, k.keep_rows) for k in _cuda_layer._WORKSPACES if k.tokens == 300} >= {(True, True), (True, False)}
 
 
-def test_a_cuda_graph_of_an_fp8_training_step_requantizes_the_weights_on_every_replay() -> None:
+@pytest.mark.parametrize("precision", ["fp8", "fp8_dgrad"])
+def test_a_cuda_graph_of_an_fp8_training_step_requantizes_the_weights_on_every_replay(precision: str) -> None:
     """fp8's weight codes are cached per weight version, but a graph cannot see versions: inside a
     capture the quantization is captured into the cached buffers, so a replay after an in-place
     weight update (an optimizer step) runs on the updated weights. Each replay's y and gradients
@@ -256,7 +257,7 @@ def test_a_cuda_graph_of_an_fp8_training_step_requantizes_the_weights_on_every_r
     import mok
 
     p = testing.random_problem(128, 4, 256, 128, 2, shared_intermediate=128, seed=19, device="cuda")
-    cfg = mok.MoeConfig(precision="fp8")
+    cfg = mok.MoeConfig(precision=precision)  # fp8_dgrad: the weights' transposes are captured too
     dy = torch.randn(128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(8)).to(torch.bfloat16)
     x, w, wg, wu, wd = (t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down))
     shared = tuple(t.detach().clone().requires_grad_(True) for t in p.shared)
@@ -301,3 +302,55 @@ def test_fp8_training_matches_the_cpp_oracle_on_one_rank() -> None:
         err = tcd.relative_error(ours[name], expected)
         print(f"fp8 training {name}: rel error {err:.2e} against the C++ fp8 oracle")
         assert err < 1e-2, f"{name}: relative error {err:.3g} against the C++ fp8 reference"
+
+
+@pytest.mark.parametrize("save_context", [True, False])
+def test_fp8_dgrad_training_matches_the_cpp_oracle_on_one_rank(save_context: bool) -> None:
+    """precision="fp8_dgrad": the fp8 forward, and the backward's data gradients (routed and shared)
+    on block-scaled e4m3 with the weights' transposes cached per version. y and every gradient
+    against the C++ reference's fp8_dgrad layer (ref::layer_backward with experts_backward_fp8_dgrad),
+    the kept context and the replay (save_context=False); a rerun gives the same bits; dx is not
+    fp8's (bf16 data gradients) bit for bit, only near it."""
+    import test_cuda_distributed as tcd
+    import test_distributed as td
+
+    case = td.Case("fp8_dgrad_one_rank", 300, 8, 512, 256, 4, shared=128, limit=7.0, routing="zipf",
+                   precision="fp8_dgrad", save_context=save_context)
+    p = td.make_problem(case, 1, seed=29)
+    ours = tcd.run_layer(case, p, None, 0, 1)
+    again = tcd.run_layer(case, p, None, 0, 1)
+    ref = td.reference(case, p, 1)
+    for name in tcd.NAMES + tcd.SHARED:
+        expected = ref[name].reshape(p.weights[("d_gate", "d_up", "d_down").index(name)].shape) \
+            if name in ("d_gate", "d_up", "d_down") else ref[name][0]
+        err = tcd.relative_error(ours[name], expected)
+        print(f"fp8_dgrad training {name}: rel error {err:.2e} against the C++ fp8_dgrad oracle")
+        assert err < 1e-2, f"{name}: relative error {err:.3g} against the C++ fp8_dgrad reference"
+        assert torch.equal(ours[name], again[name]), f"{name} differs between two runs"
+    fp8 = tcd.run_layer(td.Case("fp8", 300, 8, 512, 256, 4, shared=128, limit=7.0, routing="zipf", precision="fp8",
+                                save_context=save_context), p, None, 0, 1)
+    assert torch.equal(ours["y"], fp8["y"]), "fp8_dgrad's forward is fp8's"
+    assert not torch.equal(ours["dx"], fp8["dx"]), "fp8_dgrad's dx is fp8's (bf16 data gradients)"
+    assert tcd.relative_error(ours["dx"], fp8["dx"].float().cpu().numpy()) < 0.1
+
+
+def test_fp8_dgrad_transposes_are_the_forward_codes_moved() -> None:
+    """kernels.quantize_transposed: W_down^T's codes and scales are quantize_weights' of W_down,
+    transposed per plane; [W_gate^T | W_up^T] the two side by side. Bad shapes are refused by name."""
+    g = torch.Generator("cuda").manual_seed(5)
+    wg, wu, wd = (torch.randn(3, r, c, device="cuda", generator=g).to(torch.bfloat16)
+                  for r, c in ((256, 384), (256, 384), (384, 256)))
+    codes, scales = _cuda_kernels.quantize_weights(wd)
+    t_codes, t_scales = _cuda_kernels.quantize_transposed(wd)
+    assert torch.equal(t_codes.view(torch.uint8), codes.view(torch.uint8).transpose(1, 2).contiguous())
+    assert torch.equal(t_scales, scales.transpose(1, 2).contiguous())
+    gu_codes, gu_scales = _cuda_kernels.quantize_transposed(w_gate=wg, w_up=wu)
+    for half, w in enumerate((wg, wu)):
+        c, s = _cuda_kernels.quantize_weights(w)
+        assert torch.equal(gu_codes.view(torch.uint8)[:, :, half * 256:(half + 1) * 256],
+                           c.view(torch.uint8).transpose(1, 2))
+        assert torch.equal(gu_scales[:, :, half * 2:(half + 1) * 2], s.transpose(1, 2))
+    with pytest.raises(ValueError, match="give w_down alone, or w_gate and w_up"):
+        _cuda_kernels.quantize_transposed(wd, w_gate=wg, w_up=wu)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _cuda_kernels.quantize_transposed(wd[:, :200].contiguous())

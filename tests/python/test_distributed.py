@@ -45,7 +45,7 @@ class Case:
     limit: float | None = None
     routing: str = "uniform"
     save_context: bool = True
-    precision: str = "bf16"  # "fp8": the GPU suites' cases only (the CPU layer is bf16)
+    precision: str = "bf16"  # "fp8", "fp8_dgrad": the GPU suites' cases only (the CPU layer is bf16)
 
 
 CASES = [

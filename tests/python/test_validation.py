@@ -198,16 +198,20 @@ def test_fp8_precision_is_checked_and_runs_on_the_gpu_only() -> None:
     are refused by name; fp8 on CPU tensors says it runs on the GPU only (no silent bf16 result)."""
     a = problem()
     args = (a["x"], a["topk_idx"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], a["shared"])
-    with pytest.raises(ValueError, match=r"MoeConfig.precision must be one of \(None, 'bf16', 'fp8'\), got 'fp16'"):
+    with pytest.raises(ValueError, match=r"MoeConfig.precision must be one of \(None, 'bf16', 'fp8', 'fp8_dgrad'\), "
+                                         "got 'fp16'"):
         mok.moe(*args, config=mok.MoeConfig(precision="fp16"))
     with pytest.raises(ValueError, match="precision='fp8' needs whole 128-column scale blocks: hidden 16, "
                                          "intermediate 8, shared intermediate 8 is not a multiple of 128"):
         mok.moe(*args, config=mok.MoeConfig(precision="fp8"))
     assert torch.equal(mok.moe(*args), mok.moe(*args, config=mok.MoeConfig(precision="bf16")))
     p = testing.random_problem(4, 4, 128, 128, 2, shared_intermediate=128, seed=3)
-    with pytest.raises(NotImplementedError, match="precision='fp8' runs on the GPU only"):
-        mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared,
-                config=mok.MoeConfig(precision="fp8"))
+    for precision in ("fp8", "fp8_dgrad"):
+        with pytest.raises(NotImplementedError, match=f"precision='{precision}' runs on the GPU only"):
+            mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, p.shared,
+                    config=mok.MoeConfig(precision=precision))
+    with pytest.raises(ValueError, match="precision='fp8_dgrad' needs whole 128-column scale blocks"):
+        mok.moe(*args, config=mok.MoeConfig(precision="fp8_dgrad"))
 
 
 def test_a_non_finite_gradient_is_named() -> None:

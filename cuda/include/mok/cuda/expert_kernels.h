@@ -101,7 +101,7 @@ void experts_dgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
 void experts_dh_swiglu_backward(const ExpertsBackwardArgs& args, cudaStream_t stream);
 void experts_dx(const ExpertsBackwardArgs& args, cudaStream_t stream);
 // Its last step alone: the weight gradients from x, dy and the dg|du, w*h rows of the dgrad
-// (dx, d_row_weight and dw_partial are not read).
+// (dx, d_row_weight, dw_partial and the weights are not read; the weights may be null).
 void experts_wgrad(const ExpertsBackwardArgs& args, cudaStream_t stream);
 
 // Loads every expert kernel on the current device now (routing.h: preload_routing_kernels says
