@@ -184,13 +184,19 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 }  // namespace
 
+namespace detail {
+void preload_fp8_gemms();  // fp8_experts.cu: the block-scaled GEMM's three forms
+}  // namespace detail
+
 void preload_fp8_kernels() {
   cudaFuncAttributes attr;
   for (const void* kernel : {reinterpret_cast<const void*>(quantize_rows_kernel),
+                             reinterpret_cast<const void*>(quantize_rows_vec_kernel),
                              reinterpret_cast<const void*>(quantize_blocks_kernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
     if (e != cudaSuccess) throw std::runtime_error(std::string("mok: load the fp8 quantizers: ") + cudaGetErrorString(e));
   }
+  detail::preload_fp8_gemms();
 }
 
 void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes, float* scales,

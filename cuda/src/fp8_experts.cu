@@ -128,6 +128,16 @@ void experts_forward_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
   launch<false>(down, a.num_sms, stream);
 }
 
+namespace detail {
+// Declared in fp8.cu, whose preload_fp8_kernels calls it (the kernels are this file's).
+void preload_fp8_gemms() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<true>), "load the fp8 gate|up GEMM");
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false>), "load the fp8 store GEMM");
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false, true>), "load the fp8 dh GEMM");
+}
+}  // namespace detail
+
 std::string can_implement(const ExpertsDgradFp8Args& a) {
   std::ostringstream why;
   const ExpertsBackwardArgs& b = a.base;
@@ -197,11 +207,11 @@ int64_t fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, int64_t in
 void wire_fp8_dgrad_scratch(ExpertsDgradFp8Args& a, void* scratch) {
   const ExpertsBackwardArgs& b = a.base;
   const auto parts = dgrad_scratch_parts(b.row_capacity, b.hidden, b.intermediate);
-  char* at = static_cast<char*>(scratch);
   char* p[5];
-  for (int i = 0; i < 5; ++i) {
-    p[i] = scratch == nullptr ? nullptr : at;
-    at += parts[size_t(i)];
+  int64_t offset = 0;
+  for (int i = 0; i < 5; ++i) {  // (no arithmetic on a null scratch: every field null, can_implement names them)
+    p[i] = scratch == nullptr ? nullptr : static_cast<char*>(scratch) + offset;
+    offset += parts[size_t(i)];
   }
   a.dy_codes = reinterpret_cast<uint8_t*>(p[0]);
   a.dy_scales = reinterpret_cast<float*>(p[1]);

@@ -425,9 +425,10 @@ def _cached_fp8(kind: str, weights: tuple[Tensor, ...],
         old[:3] == new[:3] for old, new in zip(cached[1], stamps))
     if torch.cuda.is_current_stream_capturing():
         if cached is None or not same_tensors:
-            raise RuntimeError("mok: precision='fp8' quantizes each weight into buffers made by its first call, "
-                               "which cannot run inside a CUDA graph capture: make one call with these weights "
-                               "before capturing")
+            made_by = "first forward" if kind == "codes" else "first backward (precision='fp8_dgrad')"
+            raise RuntimeError(f"mok: an fp8 layer quantizes its weights into buffers made by the call that first "
+                               f"needs them, here the {made_by}, which cannot run inside a CUDA graph capture: run "
+                               "one training step with these weights before capturing")
         _FP8_IN_GRAPHS[key] = cached[2]
         return quantize(cached[2])
     if key in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached

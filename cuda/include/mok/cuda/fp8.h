@@ -29,7 +29,8 @@ void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, uint8_t* code
 void quantize_rows_e4m3_k_major(const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                                 const int32_t* rows_used, cudaStream_t stream);
 
-// Loads the quantizers on the current device (megakernel.h: preload_kernels says why).
+// Loads the quantizers and the block-scaled GEMMs on the current device (megakernel.h:
+// preload_kernels says why: moe_backward's fp8 replay and fp8_dgrad launch them after its barrier).
 void preload_fp8_kernels();
 
 // Weights: x [planes, rows, cols] bf16 (an expert's matrix a plane) -> codes [planes, rows, cols]
