@@ -196,8 +196,55 @@ struct Fp8DgradGemms {
   }
 };
 
-template <class Real, class Gemms>
-void experts_backward_with(Gemms& gemms, const MlpShape& shape, const ExpertsView<Real>& w,
+// The weight gradients' GEMMs, reductions over an expert's rows in their (canonical) order:
+// dW_gate = dg^T x, dW_up = du^T x (dgu [rows, 2I], x [rows, H]) and dW_down = dy^T (w*h). The
+// bf16 form multiplies the values as they are; the fp8 form (Fp8WgradGemms) quantizes both operands.
+template <class Real>
+struct WgradGemms {
+  std::vector<Real> at, bt;  // transposed activations: [width, rows]
+
+  void gate_up(int64_t rows, int64_t H, int64_t I, const Real* dgu, const Real* x, Real* dg, Real* du) {
+    at.resize(static_cast<size_t>(2 * I * rows));
+    bt.resize(static_cast<size_t>(H * rows));
+    cpu::transpose(rows, 2 * I, dgu, 2 * I, at.data(), rows);
+    cpu::transpose(rows, H, x, H, bt.data(), rows);
+    cpu::gemm_nt(I, H, rows, at.data(), rows, bt.data(), rows, dg, H);
+    cpu::gemm_nt(I, H, rows, at.data() + I * rows, rows, bt.data(), rows, du, H);
+  }
+  void down(int64_t rows, int64_t H, int64_t I, const Real* dy, const Real* hw, Real* dd) {
+    at.resize(static_cast<size_t>(I * rows));
+    bt.resize(static_cast<size_t>(H * rows));
+    cpu::transpose(rows, H, dy, H, bt.data(), rows);
+    cpu::transpose(rows, I, hw, I, at.data(), rows);
+    cpu::gemm_nt(H, I, rows, bt.data(), rows, at.data(), rows, dd, I);
+  }
+};
+
+// Block-scaled e4m3 weight gradients: both operands quantized along the reduction, the expert's
+// rows (K), i.e. each activation's transpose in 1 x 128 blocks (128 rows x 1 column of the
+// activation each), then fp8::gemm_nt. The expert's rows need not be whole blocks (the last is
+// partial for both operands alike); in the layer every expert's segment is (kRowAlign).
+struct Fp8WgradGemms {
+  std::vector<float> t;
+
+  // The activation a [rows, cols] (row stride lda) quantized along its rows: a^T in 1 x 128 blocks.
+  fp8::Quantized along_rows(int64_t rows, int64_t cols, const float* a, int64_t lda) {
+    t.resize(static_cast<size_t>(cols * rows));
+    cpu::transpose(rows, cols, a, lda, t.data(), rows);
+    return fp8::quantize_activations(t.data(), cols, rows);
+  }
+  void gate_up(int64_t rows, int64_t H, int64_t I, const float* dgu, const float* x, float* dg, float* du) {
+    const fp8::Quantized xq = along_rows(rows, H, x, H);
+    fp8::gemm_nt(along_rows(rows, I, dgu, 2 * I), xq, dg);
+    fp8::gemm_nt(along_rows(rows, I, dgu + I, 2 * I), xq, du);
+  }
+  void down(int64_t rows, int64_t H, int64_t I, const float* dy, const float* hw, float* dd) {
+    fp8::gemm_nt(along_rows(rows, H, dy, H), along_rows(rows, I, hw, I), dd);
+  }
+};
+
+template <class Real, class Gemms, class Wgrads>
+void experts_backward_with(Gemms& gemms, Wgrads& wgrads, const MlpShape& shape, const ExpertsView<Real>& w,
                            std::span<const int64_t> offsets, const Real* x, const Real* gu, const Real* h,
                            const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight, Real* d_gate,
                            Real* d_up, Real* d_down, Rounding rounding) {
@@ -207,7 +254,6 @@ void experts_backward_with(Gemms& gemms, const MlpShape& shape, const ExpertsVie
   std::vector<Real> dh(static_cast<size_t>(M * I));
   std::vector<Real> dgu(static_cast<size_t>(M * 2 * I));  // [dg|du] per row
   std::vector<Real> hw(static_cast<size_t>(M * I));
-  std::vector<Real> at, bt;  // transposed activations for wgrad: [width, rows]
   for (int64_t e = 0; e < w.count; ++e) {
     const int64_t m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
     Real* dg_e = d_gate + e * I * H;
@@ -246,15 +292,8 @@ void experts_backward_with(Gemms& gemms, const MlpShape& shape, const ExpertsVie
     gemms.dx(e, rows, dgu.data() + m0 * 2 * I, dx + m0 * H);
 
     // Weight gradients: reductions over the expert's rows, in their (canonical) order.
-    at.resize(static_cast<size_t>(2 * I * rows));
-    bt.resize(static_cast<size_t>(H * rows));
-    cpu::transpose(rows, 2 * I, dgu.data() + m0 * 2 * I, 2 * I, at.data(), rows);
-    cpu::transpose(rows, H, x + m0 * H, H, bt.data(), rows);
-    cpu::gemm_nt(I, H, rows, at.data(), rows, bt.data(), rows, dg_e, H);
-    cpu::gemm_nt(I, H, rows, at.data() + I * rows, rows, bt.data(), rows, du_e, H);
-    cpu::transpose(rows, H, dy + m0 * H, H, bt.data(), rows);
-    cpu::transpose(rows, I, hw.data() + m0 * I, I, at.data(), rows);
-    cpu::gemm_nt(H, I, rows, bt.data(), rows, at.data(), rows, dd_e, I);
+    wgrads.gate_up(rows, H, I, dgu.data() + m0 * 2 * I, x + m0 * H, dg_e, du_e);
+    wgrads.down(rows, H, I, dy + m0 * H, hw.data() + m0 * I, dd_e);
   }
   parallel_for(M * H, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dx[i] = store(dx[i], rounding);
@@ -269,8 +308,9 @@ void experts_backward(const MlpShape& shape, const ExpertsView<Real>& w,
                       const Real* dy, const Real* row_weight, Real* dx, Real* d_row_weight,
                       Real* d_gate, Real* d_up, Real* d_down, Rounding rounding) {
   DgradGemms<Real> gemms{shape, w, {}};
-  experts_backward_with(gemms, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up, d_down,
-                        rounding);
+  WgradGemms<Real> wgrads;
+  experts_backward_with(gemms, wgrads, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up,
+                        d_down, rounding);
 }
 
 void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
@@ -281,8 +321,21 @@ void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>&
               "experts_backward_fp8_dgrad needs hidden and intermediate multiples of 128 (whole scale blocks), got ",
               shape.hidden, " and ", shape.intermediate);
   Fp8DgradGemms gemms{shape, w};
-  experts_backward_with(gemms, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up, d_down,
-                        Rounding::bf16);
+  WgradGemms<float> wgrads;
+  experts_backward_with(gemms, wgrads, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up,
+                        d_down, Rounding::bf16);
+}
+
+void experts_backward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                          const float* x, const float* gu, const float* h, const float* dy, const float* row_weight,
+                          float* dx, float* d_row_weight, float* d_gate, float* d_up, float* d_down) {
+  MOK_REQUIRE(shape.hidden % fp8::kBlock == 0 && shape.intermediate % fp8::kBlock == 0,
+              "experts_backward_fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got ",
+              shape.hidden, " and ", shape.intermediate);
+  Fp8DgradGemms gemms{shape, w};
+  Fp8WgradGemms wgrads;
+  experts_backward_with(gemms, wgrads, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up,
+                        d_down, Rounding::bf16);
 }
 
 template <class Real>

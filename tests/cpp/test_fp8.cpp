@@ -6,6 +6,8 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <tuple>
+#include <span>
 #include <vector>
 
 #include "mok/core/bf16.h"
@@ -308,6 +310,68 @@ TEST(Fp8, BackwardDgradIsTheBf16FormWhereE4m3IsExact) {
   std::vector<float> out(M * 2 * 192 * El);
   EXPECT_THROW(ref::experts_backward_fp8_dgrad(odd, view, offsets, x.data(), out.data(), out.data(), dy.data(),
                                                rw.data(), out.data(), out.data(), out.data(), out.data(), out.data()),
+               InvalidArgument);
+}
+
+// The weight gradients on e4m3 too (ref::experts_backward_fp8): dx and d_row_weight are the fp8
+// dgrad's bit for bit (the weight gradients come after them); each weight gradient is near the
+// bf16 one of the same dg|du, x, dy and w*h, and not equal to it; an expert's gradients depend on
+// its own rows only (its quantization blocks are 128 of its rows: the same bits when its rows run
+// alone), with a partial last block (13 rows) and an empty expert.
+TEST(Fp8, BackwardWeightGradientsOnE4m3AreAnExpertsOwn) {
+  const int64_t H = 256, I = 128, El = 3;
+  const std::vector<int64_t> offsets{0, 6, 6, 19};
+  const int64_t M = offsets.back();
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(M * H), dy(M * H), rw(M), wg(El * I * H), wu(El * I * H), wd(El * H * I);
+  for (auto* v : {&x, &dy})
+    for (float& f : *v) f = round_to_bf16(normal(rng));
+  for (int64_t m = 0; m < M; ++m) rw[m] = m % 3 == 0 ? 0.5f : 0.125f;
+  for (auto* w : {&wg, &wu, &wd})
+    for (float& v : *w) v = round_to_bf16(0.05f * normal(rng));
+  const ref::ExpertsView<float> view{wg.data(), wu.data(), wd.data(), El};
+  const ref::MlpShape shape{H, I, std::nullopt};
+  std::vector<float> gu(M * 2 * I), h(M * I), y(M * H);
+  ref::experts_forward(shape, view, offsets, x.data(), gu.data(), h.data(), y.data(), ref::Rounding::bf16);
+  struct Grads {
+    std::vector<float> dx, dw, dg, du, dd;
+  };
+  const auto run = [&](bool fp8_wgrad, const ref::ExpertsView<float>& v, std::span<const int64_t> offs, int64_t m0) {
+    const int64_t rows = offs.back(), experts = v.count;
+    Grads g{std::vector<float>(rows * H), std::vector<float>(rows), std::vector<float>(experts * I * H),
+            std::vector<float>(experts * I * H), std::vector<float>(experts * H * I)};
+    auto* backward = fp8_wgrad ? &ref::experts_backward_fp8 : &ref::experts_backward_fp8_dgrad;
+    backward(shape, v, offs, x.data() + m0 * H, gu.data() + m0 * 2 * I, h.data() + m0 * I, dy.data() + m0 * H,
+             rw.data() + m0, g.dx.data(), g.dw.data(), g.dg.data(), g.du.data(), g.dd.data());
+    return g;
+  };
+  const Grads f = run(true, view, offsets, 0), b = run(false, view, offsets, 0);
+  EXPECT_EQ(f.dx, b.dx) << "dx";
+  EXPECT_EQ(f.dw, b.dw) << "d_row_weight";
+  for (const auto& [got, want, name] : {std::tuple{&f.dg, &b.dg, "dW_gate"}, std::tuple{&f.du, &b.du, "dW_up"},
+                                        std::tuple{&f.dd, &b.dd, "dW_down"}}) {
+    double err = 0.0, norm = 0.0;
+    for (size_t i = 0; i < want->size(); ++i) {
+      err += double((*got)[i] - (*want)[i]) * ((*got)[i] - (*want)[i]);
+      norm += double((*want)[i]) * (*want)[i];
+    }
+    ASSERT_GT(norm, 0.0) << name;
+    EXPECT_LT(std::sqrt(err / norm), 0.06) << name;
+    EXPECT_GT(err, 0.0) << name << ": the e4m3 weight gradient is the bf16 one";
+  }
+  // Expert 2's rows (13, one partial block) alone: its gradients the same bits.
+  const ref::ExpertsView<float> last{wg.data() + 2 * I * H, wu.data() + 2 * I * H, wd.data() + 2 * H * I, 1};
+  const std::vector<int64_t> alone{0, 13};
+  const Grads a = run(true, last, alone, 6);
+  EXPECT_EQ(a.dg, std::vector<float>(f.dg.begin() + 2 * I * H, f.dg.end()));
+  EXPECT_EQ(a.du, std::vector<float>(f.du.begin() + 2 * I * H, f.du.end()));
+  EXPECT_EQ(a.dd, std::vector<float>(f.dd.begin() + 2 * H * I, f.dd.end()));
+  for (int64_t i = 0; i < I * H; ++i) ASSERT_EQ(f.dg[size_t(I * H + i)], 0.0f) << "the empty expert's dW_gate";
+  const ref::MlpShape odd{H, 192, std::nullopt};
+  std::vector<float> out(M * 2 * 192 * El);
+  EXPECT_THROW(ref::experts_backward_fp8(odd, view, offsets, x.data(), out.data(), out.data(), dy.data(), rw.data(),
+                                         out.data(), out.data(), out.data(), out.data(), out.data()),
                InvalidArgument);
 }
 

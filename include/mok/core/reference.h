@@ -85,6 +85,15 @@ void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>&
                                 const float* row_weight, float* dx, float* d_row_weight, float* d_gate, float* d_up,
                                 float* d_down);
 
+// experts_backward_fp8_dgrad with the weight gradients on block-scaled e4m3 too (the planned fp8
+// weight gradients; not a layer precision yet, and no GPU kernel yet): each is fp8::gemm_nt of
+// its two activations quantized along the expert's rows, the reduction (dg|du^T and x^T, dy^T and
+// (w*h)^T in 1 x 128 blocks: 128 rows x 1 column of each activation), in fp32 unrounded as
+// experts_backward's. hidden and intermediate are multiples of 128.
+void experts_backward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
+                          const float* x, const float* gu, const float* h, const float* dy, const float* row_weight,
+                          float* dx, float* d_row_weight, float* d_gate, float* d_up, float* d_down);
+
 // Dispatch by the schedule: rows[i] = src[row.src_rank][row.src_slot / k] (width `width`), or
 // zeros for padding. src holds one pointer per rank.
 template <class Real>
