@@ -182,6 +182,51 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// One 128 x 128 tile of x per CTA of 256 threads, quantized per column (128 rows x 1 column a
+// block) and written transposed: thread t takes column t % 128 of rows t / 128, t / 128 + 2, ...
+// of the tile (a warp reads 32 consecutive columns), the two threads of a column meet in shared
+// memory for its amax, and the codes leave through a padded shared tile, a row of x^T (a column of
+// the tile) per 128 consecutive threads.
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_columns_transposed_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
+                                       int64_t col_blocks, uint8_t* __restrict__ codes_t, float* __restrict__ scales_t,
+                                       int64_t ld_t, const int32_t* __restrict__ rows_used) {
+  constexpr int kTileStride = kBlock + 4;
+  __shared__ uint8_t tile[kBlock * kTileStride];
+  __shared__ float column_max[kRowStep][kBlock];
+  const int64_t rb = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+  const int64_t limit = rows_used == nullptr ? rows : min(rows, max(int64_t{0}, int64_t{*rows_used}));
+  if (rb * kBlock >= limit) return;  // (the whole CTA: rows_used is a multiple of 128)
+  const int j = threadIdx.x % kBlock, half = threadIdx.x / kBlock;
+  const int64_t r0 = rb * kBlock + half, c = cb * kBlock + j;
+  const bool in_cols = c < cols;
+  const int64_t left = limit - r0 > 0 ? (limit - r0 + kRowStep - 1) / kRowStep : 0;
+  const int rows_here = int(left < kPerThread ? left : kPerThread);
+  float v[kPerThread];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    v[i] = in_cols && i < rows_here ? __bfloat162float(x[(r0 + int64_t(i) * kRowStep) * cols + c]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  column_max[half][j] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < kRowStep; ++h) amax = fmaxf(amax, column_max[h][j]);
+  const int e = fp8_scale_exponent(amax);
+  if (half == 0 && in_cols) scales_t[rb * cols + c] = ldexpf(1.0f, e);
+  const float inv = ldexpf(1.0f, -e);
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) tile[(half + i * kRowStep) * kTileStride + j] = fp8_code(v[i], inv);
+  __syncthreads();
+  // x^T's rows c = cb * 128 + jj: byte k of each is the tile's row k (consecutive threads,
+  // consecutive bytes of a row).
+  const int64_t r_here = limit - rb * kBlock, c_here = cols - cb * kBlock;
+  for (int jj = half; jj < kBlock; jj += kRowStep) {
+    if (jj < c_here && j < r_here) codes_t[(cb * kBlock + jj) * ld_t + rb * kBlock + j] = tile[j * kTileStride + jj];
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -192,7 +237,8 @@ void preload_fp8_kernels() {
   cudaFuncAttributes attr;
   for (const void* kernel : {reinterpret_cast<const void*>(quantize_rows_kernel),
                              reinterpret_cast<const void*>(quantize_rows_vec_kernel),
-                             reinterpret_cast<const void*>(quantize_blocks_kernel)}) {
+                             reinterpret_cast<const void*>(quantize_blocks_kernel),
+                             reinterpret_cast<const void*>(quantize_columns_transposed_kernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
     if (e != cudaSuccess) throw std::runtime_error(std::string("mok: load the fp8 quantizers: ") + cudaGetErrorString(e));
   }
@@ -239,6 +285,27 @@ void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows
   quantize_blocks_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), rows, cols, row_blocks, col_blocks, codes, scales,
       TransposedTarget{codes_t, scales_t, ld_t, offset_t});
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(what + "launch: " + cudaGetErrorString(e));
+}
+
+void quantize_columns_e4m3_transposed(const void* x, int64_t rows, int64_t cols, uint8_t* codes_t, float* scales_t,
+                                      int64_t ld_t, const int32_t* rows_used, cudaStream_t stream) {
+  const std::string what = "mok quantize_columns_e4m3_transposed: ";
+  if (rows < 0 || cols < 0)
+    throw std::invalid_argument(what + "rows and cols must be >= 0, got " + std::to_string(rows) + " x " +
+                                std::to_string(cols));
+  if (ld_t < rows || ld_t % 16 != 0)
+    throw std::invalid_argument(what + "the transpose's row length " + std::to_string(ld_t) +
+                                " must be a multiple of 16 holding the " + std::to_string(rows) + " rows");
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, col_blocks = (cols + kBlock - 1) / kBlock;
+  const int64_t blocks = row_blocks * col_blocks;
+  if (blocks == 0) return;
+  if (x == nullptr || codes_t == nullptr || scales_t == nullptr)
+    throw std::invalid_argument(what + "x, codes_t and scales_t must not be null");
+  if (blocks > int64_t{0x7fffffff}) throw std::invalid_argument(what + std::to_string(blocks) + " blocks are too many");
+  quantize_columns_transposed_kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, cols, col_blocks, codes_t, scales_t, ld_t, rows_used);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(what + "launch: " + cudaGetErrorString(e));
 }

@@ -268,6 +268,69 @@ TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
   EXPECT_THROW(cuda::quantize_rows_e4m3(nullptr, 1, 16, dcodes.ptr, dscales.ptr, nullptr), std::invalid_argument);
 }
 
+// The fp8 weight gradients' operands: x quantized per 128 rows x 1 column and written transposed
+// (quantize_columns_e4m3_transposed) is fp8::quantize(x, rows, cols, 128, 1) bit for bit, its codes
+// transposed into rows of ld_t bytes; 300 rows (a partial last block) and 200 columns (a partial
+// last tile); with rows_used = 256 the third block's codes and scales are not written; reruns the
+// same bits; bad arguments refused by name.
+TEST(Precision, Fp8ColumnQuantizedTransposesEqualTheCpuOracleBitForBit) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  const int64_t rows = 300, cols = 200, ld_t = 304, row_blocks = 3;
+  Rng rng(0xc01full);
+  std::vector<float> x = test::random_bf16(rng, rows * cols);
+  for (int64_t r = 0; r < rows; ++r)  // magnitudes that differ by column and by row block
+    for (int64_t c = 0; c < cols; ++c) {
+      float& v = x[size_t(r * cols + c)];
+      v = round_to_bf16(std::ldexp(v, int(c % 23) - 11 + int(r / 128) * 3));
+    }
+  for (int64_t r = 0; r < 128; ++r) x[size_t(r * cols + 7)] = 0.0f;  // an all-zero block
+  const fp8::Quantized want = fp8::quantize(x.data(), rows, cols, 128, 1);
+  ASSERT_EQ(int64_t(want.scales.size()), row_blocks * cols);
+  DeviceBuffer<uint16_t> dx(x.size());
+  DeviceBuffer<uint8_t> dcodes(size_t(cols * ld_t));
+  DeviceBuffer<float> dscales(size_t(row_blocks * cols));
+  DeviceBuffer<int32_t> dused(1);
+  ASSERT_TRUE(dx.ptr && dcodes.ptr && dscales.ptr && dused.ptr);
+  dx.upload(test::to_bits(x));
+  dused.upload(std::vector<int32_t>{256});
+  std::vector<uint8_t> first;
+  for (const bool limited : {false, true, false}) {
+    dcodes.poison(0xaa);
+    dscales.poison();
+    cuda::quantize_columns_e4m3_transposed(dx.ptr, rows, cols, dcodes.ptr, dscales.ptr, ld_t,
+                                           limited ? dused.ptr : nullptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> codes = dcodes.download();
+    const std::vector<float> scales = dscales.download();
+    const int64_t used = limited ? 256 : rows;
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t rb = 0; rb < row_blocks; ++rb) {
+        const float got = scales[size_t(rb * cols + c)];
+        if (rb * 128 < used)
+          ASSERT_EQ(std::memcmp(&got, &want.scales[size_t(rb * cols + c)], sizeof(float)), 0)
+              << "scale of column " << c << " block " << rb << (limited ? " (rows_used)" : "");
+        else
+          ASSERT_TRUE(std::isnan(got)) << "scale of column " << c << " block " << rb << " past rows_used written";
+      }
+      for (int64_t r = 0; r < ld_t; ++r)
+        ASSERT_EQ(codes[size_t(c * ld_t + r)], r < used ? want.codes[size_t(r * cols + c)] : uint8_t{0xaa})
+            << "x^T row " << c << " column " << r << (limited ? " (rows_used)" : "");
+    }
+    if (!limited && first.empty()) first = codes;
+    if (!limited) EXPECT_EQ(codes, first) << "a rerun differs";
+  }
+  EXPECT_THROW(cuda::quantize_columns_e4m3_transposed(dx.ptr, rows, cols, dcodes.ptr, dscales.ptr, 296, nullptr,
+                                                      nullptr),
+               std::invalid_argument);  // ld_t below the rows
+  EXPECT_THROW(cuda::quantize_columns_e4m3_transposed(dx.ptr, rows, cols, dcodes.ptr, dscales.ptr, 310, nullptr,
+                                                      nullptr),
+               std::invalid_argument);  // not a multiple of 16
+  EXPECT_THROW(cuda::quantize_columns_e4m3_transposed(nullptr, rows, cols, dcodes.ptr, dscales.ptr, ld_t, nullptr,
+                                                      nullptr),
+               std::invalid_argument);
+}
+
 TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";

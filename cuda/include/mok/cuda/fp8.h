@@ -51,6 +51,18 @@ void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows
                                      float* scales, uint8_t* codes_t, float* scales_t, int64_t ld_t, int64_t offset_t,
                                      cudaStream_t stream);
 
+// Activations quantized along their rows, the fp8 weight gradients' operands (their reduction runs
+// over an expert's rows; mok/core/reference.h: experts_backward_fp8): x [rows, cols] bf16 ->
+// x^T's e4m3 codes [cols, ld_t] (row c holds column c of x, x's row r at column r) and scales
+// [ceil(rows / 128), cols] fp32, one power-of-two scale per 128 rows x 1 column of x (k-block
+// major: a tile's 128 column scales of one k-block are contiguous). Bit for bit
+// fp8::quantize(x, rows, cols, 128, 1), its codes transposed. Blocks at or past *rows_used (a
+// device int32 that is a multiple of 128, e.g. an expert offsets table's last entry; may be null)
+// are not touched; an expert's segment of 128-aligned rows is whole blocks, so each block is one
+// expert's rows. ld_t >= rows, a multiple of 16. Asynchronous; the same errors as quantize_rows_e4m3.
+void quantize_columns_e4m3_transposed(const void* x, int64_t rows, int64_t cols, uint8_t* codes_t, float* scales_t,
+                                      int64_t ld_t, const int32_t* rows_used, cudaStream_t stream);
+
 // The routed experts' forward with block-scaled e4m3 GEMMs (Precision::fp8_block), on rows
 // grouped by expert as ExpertsForwardArgs (expert_kernels.h): g|u = x W_gate^T | x W_up^T with each
 // k-block's product promoted into fp32 with its scales, h = act(g, u) (bf16, and g|u saved as the
