@@ -261,6 +261,26 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
                 "%6.3f ms (%6.1f TF/s)\n",
                 t_qdy, 3.0 * M * H / t_qdy / 1e6, t_qdgu, 6.0 * M * I / t_qdgu / 1e6, t8 - t_qdy - t_qdgu,
                 6.0 * M * H * I / (t8 - t_qdy - t_qdgu) / 1e9);
+    // The fp8 weight gradients' operands (quantize_columns_e4m3_transposed): x, dy, dg|du and w*h
+    // quantized per 128 rows x 1 column and written transposed, one after another into one buffer.
+    {
+      const int64_t widest = std::max(H, 2 * I);
+      uint8_t* qt;
+      float* st;
+      CHECK_CUDA(cudaMalloc(&qt, widest * M));
+      CHECK_CUDA(cudaMalloc(&st, M / 128 * widest * 4));
+      const float t_cols = time_ms([&] {
+        mok::cuda::quantize_columns_e4m3_transposed(x, M, H, qt, st, M, off + El, nullptr);
+        mok::cuda::quantize_columns_e4m3_transposed(y, M, H, qt, st, M, off + El, nullptr);
+        mok::cuda::quantize_columns_e4m3_transposed(dgu, M, 2 * I, qt, st, M, off + El, nullptr);
+        mok::cuda::quantize_columns_e4m3_transposed(hw, M, I, qt, st, M, off + El, nullptr);
+      }, 10);
+      std::printf("      fp8 weight gradients' operands: x, dy, dg|du, w*h quantized per column and transposed %6.3f ms "
+                  "(%5.0f GB/s)\n",
+                  t_cols, 3.0 * M * (2 * H + 3 * I) / t_cols / 1e6);
+      cudaFree(qt);
+      cudaFree(st);
+    }
     for (void* q : {(void*)wdt, (void*)wgut, (void*)dyq, (void*)dguq, (void*)wdts, (void*)wguts, (void*)dys,
                     (void*)dgus, (void*)partial8})
       cudaFree(q);
