@@ -310,6 +310,15 @@ void quantize_columns_e4m3_transposed(const void* x, int64_t rows, int64_t cols,
   if (e != cudaSuccess) throw std::runtime_error(what + "launch: " + cudaGetErrorString(e));
 }
 
+void quantize_dgrad_weights(const void* w_gate, const void* w_up, const void* w_down, int64_t experts, int64_t hidden,
+                            int64_t intermediate, uint8_t* w_down_t, float* w_down_t_scales, uint8_t* w_gate_up_t,
+                            float* w_gate_up_t_scales, cudaStream_t stream) {
+  const int64_t El = experts, H = hidden, I = intermediate;
+  quantize_blocks_e4m3_transposed(w_down, El, H, I, nullptr, nullptr, w_down_t, w_down_t_scales, H, 0, stream);
+  quantize_blocks_e4m3_transposed(w_gate, El, I, H, nullptr, nullptr, w_gate_up_t, w_gate_up_t_scales, 2 * I, 0, stream);
+  quantize_blocks_e4m3_transposed(w_up, El, I, H, nullptr, nullptr, w_gate_up_t, w_gate_up_t_scales, 2 * I, I, stream);
+}
+
 static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales,
                           bool k_major, const int32_t* rows_used, cudaStream_t stream) {
   if (rows < 0 || cols < 0)

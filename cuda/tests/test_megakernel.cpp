@@ -192,12 +192,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       rk.wd_t_scales = std::make_unique<DeviceBuffer<float>>(size_t(El * (I / 128) * (H / 128)));
       rk.wgu_t8 = std::make_unique<DeviceBuffer<uint8_t>>(size_t(El * H * 2 * I));
       rk.wgu_t_scales = std::make_unique<DeviceBuffer<float>>(size_t(El * (H / 128) * (2 * I / 128)));
-      cuda::quantize_blocks_e4m3_transposed(rk.w_down->ptr, El, H, I, nullptr, nullptr, rk.wd_t8->ptr,
-                                            rk.wd_t_scales->ptr, H, 0, nullptr);
-      cuda::quantize_blocks_e4m3_transposed(rk.w_gate->ptr, El, I, H, nullptr, nullptr, rk.wgu_t8->ptr,
-                                            rk.wgu_t_scales->ptr, 2 * I, 0, nullptr);
-      cuda::quantize_blocks_e4m3_transposed(rk.w_up->ptr, El, I, H, nullptr, nullptr, rk.wgu_t8->ptr,
-                                            rk.wgu_t_scales->ptr, 2 * I, I, nullptr);
+      cuda::quantize_dgrad_weights(rk.w_gate->ptr, rk.w_up->ptr, rk.w_down->ptr, El, H, I, rk.wd_t8->ptr,
+                                   rk.wd_t_scales->ptr, rk.wgu_t8->ptr, rk.wgu_t_scales->ptr, nullptr);
       rk.dgrad_scratch = std::make_unique<DeviceBuffer<uint8_t>>(size_t(cuda::fp8_dgrad_scratch_bytes(capacity, H, I)));
       rk.dgrad_scratch->poison();
     }

@@ -231,9 +231,7 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     CHECK_CUDA(cudaMalloc(&dys, H / 128 * M * 4));
     CHECK_CUDA(cudaMalloc(&dgus, 2 * I / 128 * M * 4));
     CHECK_CUDA(cudaMalloc(&partial8, M * (I / 128) * 4));
-    mok::cuda::quantize_blocks_e4m3_transposed(wd, El, H, I, nullptr, nullptr, wdt, wdts, H, 0, nullptr);
-    mok::cuda::quantize_blocks_e4m3_transposed(wg, El, I, H, nullptr, nullptr, wgut, wguts, 2 * I, 0, nullptr);
-    mok::cuda::quantize_blocks_e4m3_transposed(wu, El, I, H, nullptr, nullptr, wgut, wguts, 2 * I, I, nullptr);
+    mok::cuda::quantize_dgrad_weights(wg, wu, wd, El, H, I, wdt, wdts, wgut, wguts, nullptr);
     mok::cuda::ExpertsDgradFp8Args f8;
     f8.base = b;
     f8.base.dw_partial = partial8;

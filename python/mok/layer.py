@@ -124,8 +124,10 @@ class MoE(nn.Module):
     """A mixture-of-experts block: routed SwiGLU experts, an optional shared expert, an optional router.
 
     ``forward(x)`` (with a router) or ``forward(x, topk_idx, topk_w)`` (routing from outside);
-    ``x [..., H]`` bf16 or fp32. The layer computes in bf16 (the GPU kernels' precision) and
-    returns y in x's dtype and shape. See :func:`mok.functional.moe` for the exact semantics.
+    ``x [..., H]`` bf16 or fp32. The layer computes in bf16 (the GPU kernels' precision; on the
+    GPU ``config=MoeConfig(precision="fp8")`` runs the experts' forward on block-scaled e4m3, and
+    ``"fp8_dgrad"`` the backward's data gradients too) and returns y in x's dtype and shape. See
+    :func:`mok.functional.moe` for the exact semantics.
 
     Expert parallelism: with ``group`` (any process group, subgroups included; None: all experts on
     this process) of R ranks, this module holds the ``E/R`` experts ``[rank*E/R, (rank+1)*E/R)``

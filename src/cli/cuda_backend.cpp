@@ -115,7 +115,7 @@ Fp8Matrix quantized_weight(const DeviceArray<uint16_t>& w, int64_t planes, int64
 }
 
 // The weights' e4m3 transposes the fp8 dgrad reads (Precision::fp8_dgrad): W_down^T [planes, I, H]
-// and [W_gate^T | W_up^T] [planes, H, 2I] (quantize_blocks_e4m3_transposed: the forward's codes, moved).
+// and [W_gate^T | W_up^T] [planes, H, 2I] (quantize_dgrad_weights: the forward's codes, moved).
 struct Fp8Transposes {
   Fp8Matrix down_t, gate_up_t;
 };
@@ -128,12 +128,8 @@ Fp8Transposes transposed_weights(const DeviceArray<uint16_t>& wg, const DeviceAr
                        "W_down^T" + what);
   t.gate_up_t = Fp8Matrix(static_cast<size_t>(planes * H * 2 * I),
                           static_cast<size_t>(planes * (H / 128) * (2 * I / 128)), "[W_gate^T | W_up^T]" + what);
-  cuda::quantize_blocks_e4m3_transposed(wd.get(), planes, H, I, nullptr, nullptr, t.down_t.codes.get(),
-                                        t.down_t.scales.get(), H, 0, stream);
-  cuda::quantize_blocks_e4m3_transposed(wg.get(), planes, I, H, nullptr, nullptr, t.gate_up_t.codes.get(),
-                                        t.gate_up_t.scales.get(), 2 * I, 0, stream);
-  cuda::quantize_blocks_e4m3_transposed(wu.get(), planes, I, H, nullptr, nullptr, t.gate_up_t.codes.get(),
-                                        t.gate_up_t.scales.get(), 2 * I, I, stream);
+  cuda::quantize_dgrad_weights(wg.get(), wu.get(), wd.get(), planes, H, I, t.down_t.codes.get(),
+                               t.down_t.scales.get(), t.gate_up_t.codes.get(), t.gate_up_t.scales.get(), stream);
   return t;
 }
 

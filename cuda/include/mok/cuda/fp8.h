@@ -50,6 +50,13 @@ void quantize_blocks_e4m3(const void* x, int64_t planes, int64_t rows, int64_t c
 void quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, uint8_t* codes,
                                      float* scales, uint8_t* codes_t, float* scales_t, int64_t ld_t, int64_t offset_t,
                                      cudaStream_t stream);
+// The fp8 dgrad's weight operands (ExpertsDgradFp8Args) from the bf16 weights W_gate, W_up
+// [El, I, H] and W_down [El, H, I]: W_down^T [El, I, H] with scales [El, I / 128, H / 128], and
+// [W_gate^T | W_up^T] [El, H, 2I] with scales [El, H / 128, 2I / 128] (three
+// quantize_blocks_e4m3_transposed calls).
+void quantize_dgrad_weights(const void* w_gate, const void* w_up, const void* w_down, int64_t experts, int64_t hidden,
+                            int64_t intermediate, uint8_t* w_down_t, float* w_down_t_scales, uint8_t* w_gate_up_t,
+                            float* w_gate_up_t_scales, cudaStream_t stream);
 
 // Activations quantized along their rows, the fp8 weight gradients' operands (their reduction runs
 // over an expert's rows; mok/core/reference.h: experts_backward_fp8): x [rows, cols] bf16 ->
