@@ -131,6 +131,12 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
                                                 [&] { mok::cuda::experts_forward(a, nullptr); }, iters);
     std::printf("    forward fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t_fp8, 3 * f_down / t_fp8 / 1e9, t_bf16, 3 * f_down / t_bf16 / 1e9, t_bf16 / t_fp8);
+    // Its parts: the gate|up GEMM alone, h's quantization alone, and down as the rest.
+    const float t8_gu = time_ms([&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }, iters);
+    const float t8_q = time_ms([&] { mok::cuda::quantize_rows_e4m3_k_major(h, M, I, hq, hs, off + El, nullptr); }, iters);
+    const float t8_down = t_fp8 - t8_gu - t8_q;
+    std::printf("      fp8 gate|up %7.3f ms %6.1f TF/s | h quantized %6.3f ms | down (the rest) %7.3f ms %6.1f TF/s\n",
+                t8_gu, f_gate_up / t8_gu / 1e9, t8_q, t8_down, f_down / t8_down / 1e9);
     for (void* q : {(void*)xq, (void*)wgq, (void*)wuq, (void*)wdq, (void*)hq, (void*)xs, (void*)wgs, (void*)wus, (void*)wds, (void*)hs})
       cudaFree(q);
   }

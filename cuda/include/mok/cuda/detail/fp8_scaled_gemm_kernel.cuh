@@ -130,6 +130,35 @@ __device__ __forceinline__ void reduce_scaled_k_blocks(Mma& mma, const FragA& tC
                                                        const float (*a_scales)[Fp8GemmConfig::kBlockM], int r0,
                                                        const float* sb, const float* su, int k_begin, int k_end) {
   clear(acc);
+#ifdef MOK_FP8_EXPERIMENT_NO_PROMOTION
+  // Timing only (wrong results): every k-block's wgmma accumulates into acc unscaled, one batch
+  // kept in flight as the bf16 mainloop keeps it: this data path's ceiling without promotions.
+  (void)tmp, (void)a_scales, (void)r0, (void)sb, (void)su;
+  auto previous = state;
+  bool pending = false;  // previous holds the stage of the batch still in flight
+  for (int kb = k_begin; kb < k_end; ++kb) {
+    pipeline.consumer_wait(state);
+    const int s = state.index();
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+      cute::gemm(mma, tCrA(_, _, kk, s), tCrB(_, _, kk, s), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (pending) pipeline.consumer_release(previous);
+    previous = state;
+    pending = true;
+    ++state;
+  }
+  warpgroup_wait<0>();
+  if (pending) pipeline.consumer_release(previous);
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  return;
+#endif
   // Each k-block's weight scales are read one k-block ahead: the load's latency is off the
   // promotion that needs them.
   float next_b = __ldg(sb + k_begin), next_up = kTwoScales ? __ldg(su + k_begin) : next_b;
