@@ -3,7 +3,11 @@
 // detail/fp8_scaled_gemm_kernel.cuh.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -29,15 +33,75 @@ static_assert(sizeof(detail::Fp8ScaledGemmSharedStorage) <= 232448, "shared stor
 
 const float_e4m3_t* e4m3(const uint8_t* p) { return reinterpret_cast<const float_e4m3_t*>(p); }
 
+// Clusters of two CTAs sharing a's loads (fp8_scaled_gemm_kernel's kCluster) unless
+// MOK_FP8_CLUSTER=off (read at each call: the timing tool's same-process A/B); the other values
+// are refused by name.
+std::string cluster_problem() {
+  const char* v = std::getenv("MOK_FP8_CLUSTER");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "on") == 0 || std::strcmp(v, "off") == 0) return "";
+  return std::string("MOK_FP8_CLUSTER must be on or off, got '") + v + "'; ";
+}
+bool clusters_wanted() {
+  const char* v = std::getenv("MOK_FP8_CLUSTER");
+  return !(v != nullptr && std::strcmp(v, "off") == 0);
+}
+
+// How many clusters of two of `kernel` the current device runs at once (cached per device: a
+// persistent grid larger than that would run its last clusters after the others).
+template <class Kernel>
+int resident_pairs(Kernel kernel, int smem) {
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 64 && cached[device].load() > 0) return cached[device].load();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(2 * 64);
+  config.blockDim = dim3(GemmConfig::kThreads);
+  config.dynamicSmemBytes = size_t(smem);
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int pairs = 0;
+  check(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config), "query the fp8 GEMM's resident clusters");
+  if (device < 64 && pairs > 0) cached[device].store(pairs);
+  return pairs;
+}
+
 template <bool kGateUp, bool kSwiGluBackward = false>
 void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
-  const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward>;
+  const char* what = kGateUp ? "launch the fp8 gate|up GEMM" : kSwiGluBackward ? "launch the fp8 dh GEMM"
+                                                                              : "launch the fp8 store GEMM";
   const int smem = int(sizeof(detail::Fp8ScaledGemmSharedStorage));
+  const int ctas = device_sms(num_sms);
+  if (clusters_wanted() && p.n_blocks % 2 == 0 && ctas >= 2) {
+    const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward, 2>;
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
+    const int pairs = std::min(ctas / 2, resident_pairs(kernel, smem));
+    if (pairs >= 1) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(unsigned(2 * pairs));
+      config.blockDim = dim3(GemmConfig::kThreads);
+      config.dynamicSmemBytes = size_t(smem);
+      config.stream = stream;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      check(cudaLaunchKernelEx(&config, kernel, p), what);
+      return;
+    }
+  }
+  const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
-  kernel<<<device_sms(num_sms), GemmConfig::kThreads, smem, stream>>>(p);
-  check(cudaGetLastError(), kGateUp          ? "launch the fp8 gate|up GEMM"
-                            : kSwiGluBackward ? "launch the fp8 dh GEMM"
-                                              : "launch the fp8 store GEMM");
+  kernel<<<ctas, GemmConfig::kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), what);
 }
 
 }  // namespace
@@ -45,6 +109,7 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
 namespace {
 // What every fp8 launcher asks of its shapes: whole scale blocks, 16-byte rows of row scales.
 void shape_checks(std::ostringstream& why, int64_t H, int64_t I, int64_t El, int64_t R, const int32_t* offsets) {
+  why << cluster_problem();
   if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
   if (I < 128 || I % 128 != 0)
     why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
@@ -98,7 +163,9 @@ void gate_up_fp8(const ExpertsForwardFp8Args& a, cudaStream_t stream) {
                                     h / Fp8GemmConfig::kBlockK,
                                     i / 128,
                                     a.expert_offsets,
-                                    a.status};
+                                    a.status,
+                                    {},
+                                    detail::fp8_tma_a_half(e4m3(a.x), rows, h)};
   launch<true>(gate_up, a.num_sms, stream);
 }
 
@@ -135,6 +202,9 @@ void preload_fp8_gemms() {
   check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<true>), "load the fp8 gate|up GEMM");
   check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false>), "load the fp8 store GEMM");
   check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false, true>), "load the fp8 dh GEMM");
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<true, false, 2>), "load the fp8 gate|up GEMM (clusters)");
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false, false, 2>), "load the fp8 store GEMM (clusters)");
+  check(cudaFuncGetAttributes(&attr, fp8_scaled_gemm_kernel<false, true, 2>), "load the fp8 dh GEMM (clusters)");
 }
 }  // namespace detail
 

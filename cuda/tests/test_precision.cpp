@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -438,7 +439,15 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
 // experts_forward_fp8) on fresh random bf16 inputs quantized on the GPU: g|u, h and y within a
 // tolerance (the tensor cores' sum within a k-block is not the oracle's exact one), h_codes and
 // h_scales the CPU quantization of the GPU's own h bit for bit, rows past the experts untouched,
-// five reruns and a run on 3 SMs bit for bit.
+// five reruns, a run on 3 SMs and one without clusters (MOK_FP8_CLUSTER=off) bit for bit.
+// MOK_FP8_CLUSTER (fp8_experts.cu: the fp8 GEMMs in clusters of two, on by default) set for a
+// scope, and unset again however the scope ends.
+struct ClusterEnv {
+  explicit ClusterEnv(const char* value) : ok(setenv("MOK_FP8_CLUSTER", value, 1) == 0) {}
+  ~ClusterEnv() { unsetenv("MOK_FP8_CLUSTER"); }
+  bool ok;
+};
+
 struct Fp8ForwardCase {
   const char* name;
   int64_t H, I;
@@ -524,8 +533,10 @@ TEST_P(Fp8ExpertsForward, MatchesTheOracleAndIsDeterministic) {
 
   std::vector<uint16_t> first_gu, first_h, first_y;
   std::vector<uint8_t> first_hq;
-  for (int run = 0; run < 6; ++run) {
-    a.num_sms = run == 5 ? 3 : 0;  // the last run on 3 CTAs: many tiles each
+  for (int run = 0; run < 7; ++run) {
+    a.num_sms = run == 5 ? 3 : 0;  // on 3 CTAs (one cluster of two): many tiles each
+    const ClusterEnv clusters(run == 6 ? "off" : "on");  // the last run without clusters
+    ASSERT_TRUE(clusters.ok);
     dgu.poison();
     dh.poison();
     dy.poison();
@@ -593,7 +604,7 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
 // weight and the three weight gradients within a tolerance (dh's k-block sums are the tensor
 // cores', not the oracle's exact ones), the weights' transposes quantized on the GPU
 // (quantize_blocks_e4m3_transposed), outputs poisoned first, rows past the experts untouched,
-// reruns and a run on 3 SMs bit for bit.
+// reruns, a run on 3 SMs and one without clusters bit for bit.
 class Fp8ExpertsDgrad : public ::testing::TestWithParam<Fp8ForwardCase> {};
 
 TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
@@ -690,8 +701,10 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
 
   std::vector<uint16_t> first_dx;
   std::vector<float> first_rw, first_g, first_u, first_d;
-  for (int run = 0; run < 4; ++run) {
-    b.num_sms = run == 3 ? 3 : 0;  // the last run on 3 CTAs: many tiles each
+  for (int run = 0; run < 5; ++run) {
+    b.num_sms = run == 3 ? 3 : 0;  // on 3 CTAs (one cluster of two): many tiles each
+    const ClusterEnv clusters(run == 4 ? "off" : "on");  // the last run without clusters
+    ASSERT_TRUE(clusters.ok);
     ddgu.poison();
     dhw.poison();
     ddx.poison();

@@ -131,6 +131,24 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
                                                 [&] { mok::cuda::experts_forward(a, nullptr); }, iters);
     std::printf("    forward fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t_fp8, 3 * f_down / t_fp8 / 1e9, t_bf16, 3 * f_down / t_bf16 / 1e9, t_bf16 / t_fp8);
+    // The fp8 GEMMs in clusters of two (the default) against single CTAs (MOK_FP8_CLUSTER=off),
+    // rounds alternating.
+    {
+      const auto with = [](const char* v, auto&& call) {
+        setenv("MOK_FP8_CLUSTER", v, 1);
+        call();
+        unsetenv("MOK_FP8_CLUSTER");
+      };
+      const auto [t_on, t_off] = alternating_ms(
+          [&] { with("on", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); },
+          [&] { with("off", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); }, iters);
+      const auto [g_on, g_off] = alternating_ms(
+          [&] { with("on", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); },
+          [&] { with("off", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); }, iters);
+      std::printf("      fp8 clusters of two: forward %7.3f ms (single CTAs %7.3f, %.3fx) | gate|up %7.3f ms %6.1f TF/s "
+                  "(single CTAs %7.3f, %.3fx)\n",
+                  t_on, t_off, t_off / t_on, g_on, f_gate_up / g_on / 1e9, g_off, g_off / g_on);
+    }
     // Its parts: the gate|up GEMM alone, h's quantization alone, and down as the rest.
     const float t8_gu = time_ms([&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }, iters);
     const float t8_q = time_ms([&] { mok::cuda::quantize_rows_e4m3_k_major(h, M, I, hq, hs, off + El, nullptr); }, iters);
@@ -253,6 +271,15 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
                                           [&] { mok::cuda::experts_dgrad(b, nullptr); }, 10);
     std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
+    {
+      const auto off = [&] {
+        setenv("MOK_FP8_CLUSTER", "off", 1);
+        mok::cuda::experts_dgrad_fp8(f8, nullptr);
+        unsetenv("MOK_FP8_CLUSTER");
+      };
+      const auto [t_on, t_off] = alternating_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, off, 10);
+      std::printf("      fp8 dgrad in clusters of two %7.3f ms | single CTAs %7.3f ms | %.3fx\n", t_on, t_off, t_off / t_on);
+    }
     // Where the fp8 dgrad's time goes: its two activation quantizations alone (the rest is the
     // two GEMMs and the d row weight's reduction), with the bytes each moves.
     const float t_qdy = time_ms([&] {

@@ -64,6 +64,13 @@ struct Fp8GemmConfig {
 // consecutive 8 KiB blocks).
 using Fp8SmemLayoutHalves = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float_e4m3_t>{},
                                                    Shape<_64, Int<Fp8GemmConfig::kBlockK>, Int<2 * Fp8GemmConfig::kStages>>{}));
+// a's 64-row halves for a cluster of two CTAs at adjacent column tiles of the same rows: each CTA
+// loads one half and multicasts it into both (half the L2 reads of a).
+inline auto fp8_tma_a_half(const float_e4m3_t* ptr, int rows, int k) {
+  Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
+  return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, t, Fp8SmemLayoutHalves{}(_, _, 0),
+                       Shape<_64, Int<Fp8GemmConfig::kBlockK>>{});
+}
 inline auto fp8_tma_a(const float_e4m3_t* ptr, int rows, int k) {
   Tensor t = make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, k, 1), make_stride(int64_t(k), _1{}, int64_t(0))));
   return make_tma_atom(SM90_TMA_LOAD{}, t, Fp8GemmConfig::SmemLayout{}(_, _, 0),
@@ -85,18 +92,21 @@ inline auto fp8_tma_b_half(const float_e4m3_t* ptr, int n, int k, int experts) {
 // t.m_block, b's 128 rows at t.n_block (the store form) or the 64-row halves of W_gate and W_up at
 // t.n_block (gate|up), and the row block's 128 scales of the k-block from a_scales [k_blocks,
 // scale_stride] (a bulk copy of 512 contiguous bytes). Shared by the standalone launch and the fp8
-// forward megakernel (megakernel_fp8.cuh).
-template <bool kGateUp, class TmaA, class TmaB, class TmaHalf, class Storage>
+// forward megakernel (megakernel_fp8.cuh). kLoadA false: a is left to the caller
+// (load_fp8_a_half, the cluster form).
+template <bool kGateUp, bool kLoadA = true, class TmaA, class TmaB, class TmaHalf, class Storage>
 __device__ __forceinline__ void load_fp8_k_block(const TmaA& tma_a, const TmaB& tma_b, const TmaHalf& tma_gate,
                                                  const TmaHalf& tma_up, int a_rows, int k, int n, int experts,
                                                  const float* a_scales, int scale_stride, Storage& smem, uint64_t* bar,
                                                  int s, const GroupedTile& t, int kb) {
   using Config = Fp8GemmConfig;
-  Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, k, 1));
-  Tensor gA = local_tile(mA, Shape<Int<Config::kBlockM>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BM, BK, m, k, 1)
-  Tensor sA = make_tensor(make_smem_ptr(smem.a), Config::SmemLayout{});
-  auto [tAg, tAs] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-  copy(tma_a.with(*bar), tAg(_, t.m_block, kb, 0), tAs(_, s));
+  if constexpr (kLoadA) {
+    Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, k, 1));
+    Tensor gA = local_tile(mA, Shape<Int<Config::kBlockM>, Int<Config::kBlockK>>{}, make_coord(_, _, _));  // (BM, BK, m, k, 1)
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), Config::SmemLayout{});
+    auto [tAg, tAs] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+    copy(tma_a.with(*bar), tAg(_, t.m_block, kb, 0), tAs(_, s));
+  }
   if constexpr (kGateUp) {
     Tensor sH = make_tensor(make_smem_ptr(smem.b), Fp8SmemLayoutHalves{});  // (64, BK, 2*STAGES)
     static_for<2>([&](auto half_) {
@@ -116,6 +126,19 @@ __device__ __forceinline__ void load_fp8_k_block(const TmaA& tma_a, const TmaB& 
   }
   SM90_BULK_COPY_G2S::copy(a_scales + int64_t(kb) * scale_stride + int64_t(t.m_block) * Config::kBlockM, bar,
                            smem.a_scales[s], int32_t(Config::kScaleBytes));
+}
+
+// The cluster form's a: this CTA's 64-row half (`half`, its rank in the cluster) of the tile's
+// row block t.m_block at k-block kb, multicast into stage s of both CTAs (each CTA's full barrier
+// at stage s counts the bytes of both halves: the stage's byte count is the unclustered one's).
+template <class TmaAHalf, class Storage>
+__device__ __forceinline__ void load_fp8_a_half(const TmaAHalf& tma_a_half, int a_rows, int k, Storage& smem,
+                                                uint64_t* bar, int s, const GroupedTile& t, int kb, int half) {
+  Tensor mA = tma_a_half.get_tma_tensor(make_shape(a_rows, k, 1));
+  Tensor gA = local_tile(mA, Shape<_64, Int<Fp8GemmConfig::kBlockK>>{}, make_coord(_, _, _));  // (64, BK, m64, k, 1)
+  Tensor sH = make_tensor(make_smem_ptr(smem.a), Fp8SmemLayoutHalves{});                         // (64, BK, 2*STAGES)
+  auto [tAg, tAs] = tma_partition(tma_a_half, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH), group_modes<0, 2>(gA));
+  copy(tma_a_half.with(*bar, uint16_t(0b11)), tAg(_, 2 * t.m_block + half, kb, 0), tAs(_, 2 * s + half));
 }
 
 // A tile's k-blocks [k_begin, k_end) into acc (cleared first; an expert's k-blocks always exist,
@@ -237,6 +260,7 @@ struct Fp8ScaledGemmParams {
   const int32_t* offsets;      // [experts + 1], 128-row aligned
   int32_t* status;
   SwiGluBackwardParams swiglu_backward{};  // the SwiGLU backward form's outputs and saved rows
+  decltype(fp8_tma_a_half(nullptr, 1, 1)) tma_a_half{};  // the cluster form's a (kCluster == 2)
 };
 
 // The store form's parameters: out[rows, n] = bf16 of a [rows, k] (row scales a_scales
@@ -267,7 +291,9 @@ inline Fp8ScaledGemmParams fp8_store_params(const float_e4m3_t* a, const float* 
                              blocks(k, Fp8GemmConfig::kBlockK),
                              blocks(n, 128),
                              offsets,
-                             status};
+                             status,
+                             {},
+                             fp8_tma_a_half(a, rows, k)};
 }
 
 struct Fp8ScaledGemmSharedStorage {
@@ -279,10 +305,17 @@ struct Fp8ScaledGemmSharedStorage {
   GroupedTileSchedulerStorage<GemmConfig::kMaxExperts> tiles;
 };
 
-template <bool kGateUp, bool kSwiGluBackward = false>
+// kCluster 2: launched in clusters of two CTAs (cluster dims (2, 1, 1), an even grid) that take
+// the same row block at column tiles 2j and 2j + 1 (n_blocks even): each loads one 64-row half of
+// a and multicasts it to both, so a's L2 reads halve (the launch reads 32 KiB from L2 per 2 M
+// MAC, about the rate L2 delivers: call 2 of session 23). The stages are released to both
+// producers (the pipeline's cluster form) and the cluster meets once at the end, so no CTA exits
+// while its peer may still write into it. The same k order and promotions: the same bits.
+template <bool kGateUp, bool kSwiGluBackward = false, int kCluster = 1>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     fp8_scaled_gemm_kernel(const __grid_constant__ Fp8ScaledGemmParams p) {
   static_assert(!(kGateUp && kSwiGluBackward), "one form");
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
   using Config = Fp8GemmConfig;
   using Pipeline = Config::Pipeline;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -296,7 +329,11 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     const int bad = Scheduler::init(smem.tiles, p.offsets, p.experts, p.rows);
     if (bad != 0 && threadIdx.x == 0 && blockIdx.x == 0 && p.status != nullptr) atomicCAS(p.status, 0, bad);
     if (threadIdx.x == 0) {
-      prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      if constexpr (kCluster == 2) {
+        prefetch_tma_descriptor(p.tma_a_half.get_tma_descriptor());
+      } else {
+        prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      }
       if constexpr (kGateUp) {
         prefetch_tma_descriptor(p.tma_gate.get_tma_descriptor());
         prefetch_tma_descriptor(p.tma_up.get_tma_descriptor());
@@ -310,10 +347,25 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   pp.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = 256;
-  Pipeline pipeline(smem.pipeline, pp, Shape<_1, _1, _1>{});
-  __syncthreads();
-
-  const Scheduler sched{smem.tiles, p.experts, p.n_blocks, p.k_blocks};
+  Pipeline pipeline(smem.pipeline, pp, Shape<Int<kCluster>, _1, _1>{});
+  // A cluster's tiles are column pairs: the scheduler walks n_blocks / 2 columns, and the CTA of
+  // rank `half` takes column 2j + half of pair column j.
+  int half = 0, first = blockIdx.x, stride = gridDim.x;
+  if constexpr (kCluster == 2) {
+    cute::cluster_arrive_relaxed();  // the barriers are initialized before a peer arrives on them
+    cute::cluster_wait();
+    half = int(cute::block_rank_in_cluster());
+    first = blockIdx.x / 2;
+    stride = gridDim.x / 2;
+  } else {
+    __syncthreads();
+  }
+  const Scheduler sched{smem.tiles, p.experts, p.n_blocks / kCluster, p.k_blocks};
+  const auto tile_at = [&](int linear) {
+    GroupedTile t = sched.tile(linear);
+    t.n_block = kCluster * t.n_block + half;
+    return t;
+  };
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -321,12 +373,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync()) {
       const int total = sched.total_tiles();
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
-        const GroupedTile t = sched.tile(linear);
+      for (int linear = first; linear < total; linear += stride) {
+        const GroupedTile t = tile_at(linear);
         for (int kb = t.k_begin; kb < t.k_end; ++kb) {
           pipeline.producer_acquire(state);
-          load_fp8_k_block<kGateUp>(p.tma_a, p.tma_b, p.tma_gate, p.tma_up, p.rows, p.k, p.n, p.experts, p.a_scales,
-                                    p.rows, smem, pipeline.producer_get_barrier(state), state.index(), t, kb);
+          uint64_t* bar = pipeline.producer_get_barrier(state);
+          if constexpr (kCluster == 2) load_fp8_a_half(p.tma_a_half, p.rows, p.k, smem, bar, state.index(), t, kb, half);
+          load_fp8_k_block<kGateUp, kCluster == 1>(p.tma_a, p.tma_b, p.tma_gate, p.tma_up, p.rows, p.k, p.n, p.experts,
+                                                   p.a_scales, p.rows, smem, bar, state.index(), t, kb);
           ++state;
         }
       }
@@ -354,8 +408,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
     cutlass::PipelineState<Config::kStages> state;
     int chunk = 0;  // the staging tile of the next chunk: chunk % 2 (the gate|up form stores an odd count per tile)
-    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
-      const GroupedTile t = sched.tile(linear);
+    for (int linear = first; linear < total; linear += stride) {
+      const GroupedTile t = tile_at(linear);
       // The weight scales of the tile's b rows: a 128-row block (store), or the 64-row halves'
       // blocks of W_gate and W_up (gate|up).
       const int64_t scale_row = int64_t(t.expert) * p.b_scale_rows + (kGateUp ? t.n_block / 2 : t.n_block);
@@ -382,6 +436,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       }
     }
     drain_stores(thread);
+  }
+  if constexpr (kCluster == 2) {
+    cute::cluster_arrive();
+    cute::cluster_wait();
   }
 }
 
