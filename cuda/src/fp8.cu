@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "device_cache.h"
 #include "mok/cuda/detail/fp8_quantize.cuh"
 
 namespace mok::cuda {
@@ -334,14 +335,19 @@ static void quantize_rows(const char* name, const void* x, int64_t rows, int64_t
   const bool vector = cols % kVecCols == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(codes) % 8 == 0;
   if (vector) {
-    int device = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_rows_vec_kernel, kVecThreads, 0) != cudaSuccess)
-      throw std::runtime_error(std::string("mok ") + name + ": cannot read the device's SM count and occupancy");
+    // CTAs of one full wave, asked of the driver once per device.
+    static host_util::PerDevice wave_cache;
+    const int wave = host_util::per_device(wave_cache, [&] {
+      int device = 0, sms = 0, per_sm = 0;
+      if (cudaGetDevice(&device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_rows_vec_kernel, kVecThreads, 0) != cudaSuccess)
+        throw std::runtime_error(std::string("mok ") + name + ": cannot read the device's SM count and occupancy");
+      return sms * std::max(1, per_sm);
+    });
     // One wave of as many CTAs as fit (a second, partial wave would double the time), fewer for few rows.
     const int64_t needed = (rows + kVecThreads / 32 - 1) / (kVecThreads / 32);
-    const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{sms} * std::max(1, per_sm))));
+    const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{wave})));
     quantize_rows_vec_kernel<<<grid, kVecThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols,
                                                                codes, scales, k_major, rows_used);
   } else {

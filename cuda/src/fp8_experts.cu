@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -15,6 +14,7 @@
 #include "mok/cuda/detail/fp8_scaled_gemm_kernel.cuh"
 #include "mok/cuda/expert_kernels.h"
 #include "mok/cuda/fp8.h"
+#include "device_cache.h"
 #include "launch_util.h"
 
 namespace mok::cuda {
@@ -46,29 +46,26 @@ bool clusters_wanted() {
   return !(v != nullptr && std::strcmp(v, "off") == 0);
 }
 
-// How many clusters of two of `kernel` the current device runs at once (cached per device: a
+// How many clusters of two of `kernel` the current device runs at once (asked once per device: a
 // persistent grid larger than that would run its last clusters after the others).
 template <class Kernel>
-int resident_pairs(Kernel kernel, int smem) {
-  static std::atomic<int> cached[64] = {};
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 64 && cached[device].load() > 0) return cached[device].load();
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(2 * 64);
-  config.blockDim = dim3(GemmConfig::kThreads);
-  config.dynamicSmemBytes = size_t(smem);
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int pairs = 0;
-  check(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config), "query the fp8 GEMM's resident clusters");
-  if (device < 64 && pairs > 0) cached[device].store(pairs);
-  return pairs;
+int resident_pairs(Kernel kernel, int smem, host_util::PerDevice& cache) {
+  return host_util::per_device(cache, [&] {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(2 * 64);
+    config.blockDim = dim3(GemmConfig::kThreads);
+    config.dynamicSmemBytes = size_t(smem);
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int pairs = 0;
+    check(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config), "query the fp8 GEMM's resident clusters");
+    return pairs;
+  });
 }
 
 template <bool kGateUp, bool kSwiGluBackward = false>
@@ -80,7 +77,8 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
   if (clusters_wanted() && p.n_blocks % 2 == 0 && ctas >= 2) {
     const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward, 2>;
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
-    const int pairs = std::min(ctas / 2, resident_pairs(kernel, smem));
+    static host_util::PerDevice pairs_cache;  // one per form (a template's static)
+    const int pairs = std::min(ctas / 2, resident_pairs(kernel, smem, pairs_cache));
     if (pairs >= 1) {
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(unsigned(2 * pairs));
