@@ -3,6 +3,7 @@
 // (that is bench/, against torch._grouped_mm in the same process); this answers "which kernel,
 // how far from dense" while tuning.
 //   expert_kernels_timing [H I experts rows_per_expert]...   (defaults: a few preset shapes)
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -30,6 +31,50 @@ std::pair<float, float> alternating_ms(A a, B b, int iters) {
     if (r % 2 == 1) ta += time_ms(a, iters) / 4;
   }
   return {ta, tb};
+}
+
+// cuBLASLt's dense e4m3 GEMM C[m, n] = A[m, k] B[n, k]^T (row-major, bf16 out, unit scales): the
+// fp8 ceiling beside which the block-scaled grouped GEMMs are read. Returns its ms, or -1 when
+// cuBLASLt has no algorithm for it.
+float cublaslt_fp8_ms(const uint8_t* a, const uint8_t* b, void* c, int64_t m, int64_t n, int64_t k, int iters) {
+  cublasLtHandle_t lt;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return -1;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
+  // Column-major: C^T [n, m] = (B as k x n)^T (A as k x m): fp8 wants this "TN" form.
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, k, n, k);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, k, m, k);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, m, n);
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  size_t workspace_bytes = size_t{64} << 20;
+  void* workspace = nullptr;
+  CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                       sizeof(workspace_bytes));
+  cublasLtMatmulHeuristicResult_t heuristic = {};
+  int found = 0;
+  float ms = -1;
+  if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heuristic, &found) == CUBLAS_STATUS_SUCCESS &&
+      found > 0) {
+    const float one = 1.0f, zero = 0.0f;
+    ms = time_ms([&] {
+      cublasLtMatmul(lt, op, &one, b, la, a, lb, &zero, c, lc, c, lc, &heuristic.algo, workspace, workspace_bytes,
+                     nullptr);
+    }, iters);
+  }
+  cudaFree(workspace);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(lt);
+  return ms;
 }
 
 void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle_t blas) {
@@ -148,6 +193,13 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
       std::printf("      fp8 clusters of two: forward %7.3f ms (single CTAs %7.3f, %.3fx) | gate|up %7.3f ms %6.1f TF/s "
                   "(single CTAs %7.3f, %.3fx)\n",
                   t_on, t_off, t_off / t_on, g_on, f_gate_up / g_on / 1e9, g_off, g_off / g_on);
+    }
+    // cuBLASLt's dense e4m3 GEMMs of the same total shapes (gate|up as [M, 2I] from a [2I, H]
+    // weight: W_gate's codes read as one matrix when El >= 2; the shape is timed, not the values).
+    if (El >= 2) {
+      const float l_gu = cublaslt_fp8_ms(xq, wgq, gu, M, 2 * I, H, iters), l_down = cublaslt_fp8_ms(hq, wdq, y, M, H, I, iters);
+      std::printf("      cuBLASLt dense e4m3 (unit scales): gate|up %6.1f TF/s | down %6.1f TF/s\n",
+                  l_gu > 0 ? f_gate_up / l_gu / 1e9 : 0.0, l_down > 0 ? f_down / l_down / 1e9 : 0.0);
     }
     // Its parts: the gate|up GEMM alone, h's quantization alone, and down as the rest.
     const float t8_gu = time_ms([&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }, iters);
