@@ -9,7 +9,8 @@
 // Anatomy (STYLE.md 3): shared-memory plan -> barriers -> register split -> one tile scheduler
 // shared by all roles -> one branch per role.
 //   warpgroup 0: producer (one elected thread: TMA loads of a and b, the bulk copy of the tile's
-//     row scales, all on the stage's barrier)
+//     row scales, all on the stage's barrier; in clusters of two, a's 64-row half multicast to
+//     both CTAs of the pair)
 //   warpgroups 1, 2: consumers, 64 rows x 128 columns each: a k-block's wgmma into a zeroed
 //     temporary, then acc += tmp * (sa * sb). Two 64 x 128 fragments are 128 registers, as the
 //     bf16 kernels' one 64 x 256 fragment; the tile is 128 x 128.
@@ -154,8 +155,10 @@ __device__ __forceinline__ void reduce_scaled_k_blocks(Mma& mma, const FragA& tC
                                                        const float* sb, const float* su, int k_begin, int k_end) {
   clear(acc);
 #ifdef MOK_FP8_EXPERIMENT_NO_PROMOTION
-  // Timing only (wrong results): every k-block's wgmma accumulates into acc unscaled, one batch
-  // kept in flight as the bf16 mainloop keeps it: this data path's ceiling without promotions.
+  // Timing only (wrong results; tools/gpu.sh MOK_CUDA_FLAGS=-DMOK_FP8_EXPERIMENT_NO_PROMOTION with
+  // its own MOK_BUILD_DIR): every k-block's wgmma accumulates into acc unscaled, one batch kept in
+  // flight as the bf16 mainloop keeps it: this data path's ceiling without promotions (session
+  // 23: about 1090 TF/s, against 850-890 with them and cuBLASLt's dense e4m3 1355-1447).
   (void)tmp, (void)a_scales, (void)r0, (void)sb, (void)su;
   auto previous = state;
   bool pending = false;  // previous holds the stage of the batch still in flight
