@@ -46,24 +46,35 @@ bool clusters_wanted() {
   return !(v != nullptr && std::strcmp(v, "off") == 0);
 }
 
+// A launch of `ctas` CTAs in clusters of two (the configuration holds a pointer to its attribute:
+// kept together, not copied).
+struct PairLaunch {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  PairLaunch(int ctas, int smem, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = dim3(unsigned(ctas));
+    config.blockDim = dim3(GemmConfig::kThreads);
+    config.dynamicSmemBytes = size_t(smem);
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  PairLaunch(const PairLaunch&) = delete;
+  PairLaunch& operator=(const PairLaunch&) = delete;
+};
+
 // How many clusters of two of `kernel` the current device runs at once (asked once per device: a
 // persistent grid larger than that would run its last clusters after the others).
 template <class Kernel>
 int resident_pairs(Kernel kernel, int smem, host_util::PerDevice& cache) {
   return host_util::per_device(cache, [&] {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(2 * 64);
-    config.blockDim = dim3(GemmConfig::kThreads);
-    config.dynamicSmemBytes = size_t(smem);
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    const PairLaunch query(2 * 64, smem, nullptr);
     int pairs = 0;
-    check(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config), "query the fp8 GEMM's resident clusters");
+    check(cudaOccupancyMaxActiveClusters(&pairs, kernel, &query.config), "query the fp8 GEMM's resident clusters");
     return pairs;
   });
 }
@@ -79,20 +90,9 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
     static host_util::PerDevice pairs_cache;  // one per form (a template's static)
     const int pairs = std::min(ctas / 2, resident_pairs(kernel, smem, pairs_cache));
-    if (pairs >= 1) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(unsigned(2 * pairs));
-      config.blockDim = dim3(GemmConfig::kThreads);
-      config.dynamicSmemBytes = size_t(smem);
-      config.stream = stream;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      check(cudaLaunchKernelEx(&config, kernel, p), what);
+    if (pairs >= 1) {  // (none resident, e.g. on a partition without clusters: single CTAs below)
+      const PairLaunch pair(2 * pairs, smem, stream);
+      check(cudaLaunchKernelEx(&pair.config, kernel, p), what);
       return;
     }
   }
