@@ -349,16 +349,14 @@ int mok_cuda_experts_backward_fp8_dgrad(int64_t row_capacity, int64_t hidden, in
                                         const void* w_gate_up_t, const void* w_gate_up_t_scales, void* scratch,
                                         void* stream, char* error, int error_len) {
   return kernel_call(error, error_len, [&] {
-    mok::cuda::ExpertsDgradFp8Args a;
-    a.base = backward_args(row_capacity, hidden, intermediate, local_experts, expert_offsets, x, gu, h, dy, row_weight,
-                           nullptr, nullptr, nullptr, dgu, hw, nullptr, dx, d_row_weight, d_w_gate, d_w_up, d_w_down,
-                           d_w_bf16, has_limit, limit, status);
-    a.w_down_t = static_cast<const uint8_t*>(w_down_t);
-    a.w_down_t_scales = static_cast<const float*>(w_down_t_scales);
-    a.w_gate_up_t = static_cast<const uint8_t*>(w_gate_up_t);
-    a.w_gate_up_t_scales = static_cast<const float*>(w_gate_up_t_scales);
-    mok::cuda::wire_fp8_dgrad_scratch(a, scratch);
-    mok::cuda::experts_backward_fp8_dgrad(a, static_cast<cudaStream_t>(stream));
+    const mok::cuda::ExpertsBackwardArgs base =
+        backward_args(row_capacity, hidden, intermediate, local_experts, expert_offsets, x, gu, h, dy, row_weight,
+                      nullptr, nullptr, nullptr, dgu, hw, nullptr, dx, d_row_weight, d_w_gate, d_w_up, d_w_down,
+                      d_w_bf16, has_limit, limit, status);
+    mok::cuda::experts_backward_fp8_dgrad(
+        mok::cuda::fp8_dgrad_args(base, w_down_t, static_cast<const float*>(w_down_t_scales), w_gate_up_t,
+                                  static_cast<const float*>(w_gate_up_t_scales), scratch),
+        static_cast<cudaStream_t>(stream));
   });
 }
 

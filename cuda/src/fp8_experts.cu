@@ -288,6 +288,18 @@ void wire_fp8_dgrad_scratch(ExpertsDgradFp8Args& a, void* scratch) {
   a.base.dw_partial = reinterpret_cast<float*>(p[4]);
 }
 
+ExpertsDgradFp8Args fp8_dgrad_args(const ExpertsBackwardArgs& base, const void* w_down_t, const float* w_down_t_scales,
+                                   const void* w_gate_up_t, const float* w_gate_up_t_scales, void* scratch) {
+  ExpertsDgradFp8Args a;
+  a.base = base;
+  a.w_down_t = static_cast<const uint8_t*>(w_down_t);
+  a.w_down_t_scales = w_down_t_scales;
+  a.w_gate_up_t = static_cast<const uint8_t*>(w_gate_up_t);
+  a.w_gate_up_t_scales = w_gate_up_t_scales;
+  wire_fp8_dgrad_scratch(a, scratch);
+  return a;
+}
+
 void experts_backward_fp8_dgrad(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
   experts_dgrad_fp8(a, stream);
   experts_wgrad(a.base, stream);

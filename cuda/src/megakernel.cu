@@ -874,13 +874,9 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.d_w_type = a.d_w_type;
   e.swiglu_limit = a.swiglu_limit;
   e.status = a.experts_status;
-  ExpertsDgradFp8Args e8;  // fp8_dgrad: the same backward with its data gradients on e4m3
-  e8.base = e;
-  e8.w_down_t = static_cast<const uint8_t*>(a.w_down_t_codes);
-  e8.w_down_t_scales = a.w_down_t_scales;
-  e8.w_gate_up_t = static_cast<const uint8_t*>(a.w_gate_up_t_codes);
-  e8.w_gate_up_t_scales = a.w_gate_up_t_scales;
-  wire_fp8_dgrad_scratch(e8, a.fp8_dgrad_scratch);
+  // fp8_dgrad: the same backward with its data gradients on e4m3
+  const ExpertsDgradFp8Args e8 = fp8_dgrad_args(e, a.w_down_t_codes, a.w_down_t_scales, a.w_gate_up_t_codes,
+                                                a.w_gate_up_t_scales, a.fp8_dgrad_scratch);
   ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks
   sc.shape = shape;
   sc.hidden = H;

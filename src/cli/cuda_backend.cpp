@@ -138,14 +138,9 @@ Fp8Transposes transposed_weights(const DeviceArray<uint16_t>& wg, const DeviceAr
 void staged_experts_backward(const cuda::ExpertsBackwardArgs& e, const Fp8Transposes* t, void* scratch,
                              cudaStream_t stream) {
   if (t == nullptr) return cuda::experts_backward(e, stream);
-  cuda::ExpertsDgradFp8Args f;
-  f.base = e;
-  f.w_down_t = t->down_t.codes.get();
-  f.w_down_t_scales = t->down_t.scales.get();
-  f.w_gate_up_t = t->gate_up_t.codes.get();
-  f.w_gate_up_t_scales = t->gate_up_t.scales.get();
-  cuda::wire_fp8_dgrad_scratch(f, scratch);
-  cuda::experts_backward_fp8_dgrad(f, stream);
+  cuda::experts_backward_fp8_dgrad(cuda::fp8_dgrad_args(e, t->down_t.codes.get(), t->down_t.scales.get(),
+                                                       t->gate_up_t.codes.get(), t->gate_up_t.scales.get(), scratch),
+                                   stream);
 }
 
 // The experts' fp8 forward of `rows` rows (x quantized first, only rows before offsets[El]); h,

@@ -142,5 +142,9 @@ void experts_backward_fp8_dgrad(const ExpertsDgradFp8Args& args, cudaStream_t st
 // (dy_codes, dy_scales, dgu_codes, dgu_scales, base.dw_partial) into it, each 256-byte aligned.
 int64_t fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, int64_t intermediate);
 void wire_fp8_dgrad_scratch(ExpertsDgradFp8Args& args, void* scratch);
+// The fp8 dgrad's arguments from the bf16 backward's (base), the weights' e4m3 transposes
+// (quantize_dgrad_weights' outputs) and fp8_dgrad_scratch_bytes of scratch (wired in).
+ExpertsDgradFp8Args fp8_dgrad_args(const ExpertsBackwardArgs& base, const void* w_down_t, const float* w_down_t_scales,
+                                   const void* w_gate_up_t, const float* w_gate_up_t_scales, void* scratch);
 
 }  // namespace mok::cuda
