@@ -164,7 +164,7 @@ if has ncu; then
   for i in "${!ncu_kernels[@]}"; do
     rep="$LOGS/ncu$i"
     timeout --kill-after=10 "$(left 240)" ncu --kernel-name-base demangled -k "regex:${ncu_kernels[$i]}" -c 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SourceCounters \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters \
       --section SchedulerStats -o "$rep" "$BUILD/cuda/${MOK_NCU_BIN:-expert_kernels_timing}" \
       ${MOK_TIMING_ARGS:-2880 2880 16 4096} > "${rep}_run.log" 2>&1 || status=1
     ncu -i "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1

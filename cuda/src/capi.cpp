@@ -154,6 +154,18 @@ int kernel_call(char* error, int error_len, Body&& body) {
   }
 }
 
+// The shape fields every expert-kernel argument struct has (ExpertsForwardArgs,
+// ExpertsForwardFp8Args, ExpertsBackwardArgs), from a C call's arguments.
+template <class Args>
+void set_expert_shape(Args& a, int64_t row_capacity, int64_t hidden, int64_t intermediate, int64_t local_experts,
+                      const void* expert_offsets) {
+  a.row_capacity = row_capacity;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.local_experts = local_experts;
+  a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+}
+
 // The handle's forward arguments with what every forward call sets: the rank bases (through
 // `table`, which must outlive the call), the weights, y_shared with its event, and y.
 mok::cuda::MoeForwardArgs forward_call(ForwardHandle& h, const int64_t* bases, void* (&table)[mok::cuda::kMaxRanks],
@@ -182,11 +194,7 @@ int mok_cuda_experts_forward(int64_t row_capacity, int64_t hidden, int64_t inter
                              void* stream, int which, char* error, int error_len) {
   return kernel_call(error, error_len, [&] {
     mok::cuda::ExpertsForwardArgs a;
-    a.row_capacity = row_capacity;
-    a.hidden = hidden;
-    a.intermediate = intermediate;
-    a.local_experts = local_experts;
-    a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+    set_expert_shape(a, row_capacity, hidden, intermediate, local_experts, expert_offsets);
     a.x = x;
     a.w_gate = w_gate;
     a.w_up = w_up;
@@ -243,11 +251,7 @@ int mok_cuda_experts_forward_fp8(int64_t row_capacity, int64_t hidden, int64_t i
                                  char* error, int error_len) {
   return kernel_call(error, error_len, [&] {
     mok::cuda::ExpertsForwardFp8Args a;
-    a.row_capacity = row_capacity;
-    a.hidden = hidden;
-    a.intermediate = intermediate;
-    a.local_experts = local_experts;
-    a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+    set_expert_shape(a, row_capacity, hidden, intermediate, local_experts, expert_offsets);
     a.x = static_cast<const uint8_t*>(x);
     a.x_scales = static_cast<const float*>(x_scales);
     a.w_gate = static_cast<const uint8_t*>(w_gate);
@@ -277,11 +281,7 @@ mok::cuda::ExpertsBackwardArgs backward_args(int64_t row_capacity, int64_t hidde
                                              void* d_w_up, void* d_w_down, int d_w_bf16, int has_limit, float limit,
                                              void* status) {
   mok::cuda::ExpertsBackwardArgs a;
-  a.row_capacity = row_capacity;
-  a.hidden = hidden;
-  a.intermediate = intermediate;
-  a.local_experts = local_experts;
-  a.expert_offsets = static_cast<const int32_t*>(expert_offsets);
+  set_expert_shape(a, row_capacity, hidden, intermediate, local_experts, expert_offsets);
   a.x = x;
   a.gu = gu;
   a.h = h;

@@ -33,6 +33,15 @@ std::pair<float, float> alternating_ms(A a, B b, int iters) {
   return {ta, tb};
 }
 
+// call() with the environment variable `name` set to `value`, unset again after (the fp8 kernels'
+// switches are read at each call: same-process A/Bs).
+template <class Call>
+void with_env(const char* name, const char* value, Call&& call) {
+  setenv(name, value, 1);
+  call();
+  unsetenv(name);
+}
+
 // cuBLASLt's dense e4m3 GEMM C[m, n] = A[m, k] B[n, k]^T (row-major, bf16 out, unit scales): the
 // fp8 ceiling beside which the block-scaled grouped GEMMs are read. Returns its ms, or -1 when
 // cuBLASLt has no algorithm for it.
@@ -179,17 +188,12 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     // The fp8 GEMMs in clusters of two (the default) against single CTAs (MOK_FP8_CLUSTER=off),
     // rounds alternating.
     {
-      const auto with = [](const char* v, auto&& call) {
-        setenv("MOK_FP8_CLUSTER", v, 1);
-        call();
-        unsetenv("MOK_FP8_CLUSTER");
-      };
       const auto [t_on, t_off] = alternating_ms(
-          [&] { with("on", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); },
-          [&] { with("off", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); }, iters);
+          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); },
+          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); }, iters);
       const auto [g_on, g_off] = alternating_ms(
-          [&] { with("on", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); },
-          [&] { with("off", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); }, iters);
+          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); },
+          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); }, iters);
       std::printf("      fp8 clusters of two: forward %7.3f ms (single CTAs %7.3f, %.3fx) | gate|up %7.3f ms %6.1f TF/s "
                   "(single CTAs %7.3f, %.3fx)\n",
                   t_on, t_off, t_off / t_on, g_on, f_gate_up / g_on / 1e9, g_off, g_off / g_on);
@@ -324,12 +328,9 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
     {
-      const auto off = [&] {
-        setenv("MOK_FP8_CLUSTER", "off", 1);
-        mok::cuda::experts_dgrad_fp8(f8, nullptr);
-        unsetenv("MOK_FP8_CLUSTER");
-      };
-      const auto [t_on, t_off] = alternating_ms([&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, off, 10);
+      const auto [t_on, t_off] = alternating_ms(
+          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); },
+          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); }, 10);
       std::printf("      fp8 dgrad in clusters of two %7.3f ms | single CTAs %7.3f ms | %.3fx\n", t_on, t_off, t_off / t_on);
       // dg|du quantized in the dh epilogue (the default) against its own quantizer launch.
       const auto separate = [&] {
