@@ -36,13 +36,22 @@ const float_e4m3_t* e4m3(const uint8_t* p) { return reinterpret_cast<const float
 // Clusters of two CTAs sharing a's loads (fp8_scaled_gemm_kernel's kCluster) unless
 // MOK_FP8_CLUSTER=off (read at each call: the timing tool's same-process A/B); the other values
 // are refused by name.
-std::string cluster_problem() {
-  const char* v = std::getenv("MOK_FP8_CLUSTER");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "on") == 0 || std::strcmp(v, "off") == 0) return "";
-  return std::string("MOK_FP8_CLUSTER must be on or off, got '") + v + "'; ";
+// The fp8 kernels' on/off switches, on unless set to off (read at each call: the timing tool's
+// same-process A/Bs and the tests' bitwise comparisons): MOK_FP8_CLUSTER (the GEMMs in clusters
+// of two) and MOK_FP8_FUSED_DGU (dg|du quantized in the dh epilogue). Other values are refused by
+// name in can_implement.
+constexpr const char* kSwitches[] = {"MOK_FP8_CLUSTER", "MOK_FP8_FUSED_DGU"};
+std::string switch_problems() {
+  std::string why;
+  for (const char* name : kSwitches) {
+    const char* v = std::getenv(name);
+    if (!(v == nullptr || *v == '\0' || std::strcmp(v, "on") == 0 || std::strcmp(v, "off") == 0))
+      why += std::string(name) + " must be on or off, got '" + v + "'; ";
+  }
+  return why;
 }
-bool clusters_wanted() {
-  const char* v = std::getenv("MOK_FP8_CLUSTER");
+bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
   return !(v != nullptr && std::strcmp(v, "off") == 0);
 }
 
@@ -85,7 +94,7 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
                                                                               : "launch the fp8 store GEMM";
   const int smem = int(sizeof(detail::Fp8ScaledGemmSharedStorage));
   const int ctas = device_sms(num_sms);
-  if (clusters_wanted() && p.n_blocks % 2 == 0 && ctas >= 2) {
+  if (switch_on("MOK_FP8_CLUSTER") && p.n_blocks % 2 == 0 && ctas >= 2) {
     const auto kernel = detail::fp8_scaled_gemm_kernel<kGateUp, kSwiGluBackward, 2>;
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "set shared memory");
     static host_util::PerDevice pairs_cache;  // one per form (a template's static)
@@ -107,7 +116,7 @@ void launch(const Fp8ScaledGemmParams& p, int num_sms, cudaStream_t stream) {
 namespace {
 // What every fp8 launcher asks of its shapes: whole scale blocks, 16-byte rows of row scales.
 void shape_checks(std::ostringstream& why, int64_t H, int64_t I, int64_t El, int64_t R, const int32_t* offsets) {
-  why << cluster_problem();
+  why << switch_problems();
   if (H < 128 || H % 128 != 0) why << "hidden must be a positive multiple of 128 (whole fp8 scale blocks), got " << H << "; ";
   if (I < 128 || I % 128 != 0)
     why << "intermediate must be a positive multiple of 128 (whole fp8 scale blocks), got " << I << "; ";
@@ -245,11 +254,19 @@ void experts_dgrad_fp8(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
                                                     i,
                                                     b.swiglu_limit.has_value(),
                                                     b.swiglu_limit.value_or(0.0f)};
+  // dg|du quantized by the dh tiles themselves (each one 1 x 128 block of dg and of du per row),
+  // unless MOK_FP8_FUSED_DGU=off: then by quantize_rows_e4m3_k_major after it. The same bits.
+  const bool fused_dgu = switch_on("MOK_FP8_FUSED_DGU");
+  if (fused_dgu) {
+    dh.swiglu_backward.dgu_codes = a.dgu_codes;
+    dh.swiglu_backward.dgu_scales = a.dgu_scales;
+    dh.swiglu_backward.scale_rows = R;
+  }
   launch<false, true>(dh, b.num_sms, stream);
   host_util::reduce_row_partials(b.dw_partial, i / Fp8GemmConfig::kBlockN, b.expert_offsets, experts, b.d_row_weight,
                                  R, stream);
   // dx = [dg|du] [W_gate; W_up]: dg|du's rows 1 x 128 along 2I, [W_gate^T | W_up^T] [El, H, 2I].
-  quantize_rows_e4m3_k_major(b.dgu, R, 2 * I, a.dgu_codes, a.dgu_scales, rows_used, stream);
+  if (!fused_dgu) quantize_rows_e4m3_k_major(b.dgu, R, 2 * I, a.dgu_codes, a.dgu_scales, rows_used, stream);
   const Fp8ScaledGemmParams dx =
       detail::fp8_store_params(e4m3(a.dgu_codes), a.dgu_scales, e4m3(a.w_gate_up_t), a.w_gate_up_t_scales,
                                store_target(b.dx, R, H, H), rows, 2 * i, h, experts, b.expert_offsets, b.status);

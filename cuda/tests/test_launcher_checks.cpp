@@ -206,6 +206,9 @@ TEST(Fp8ExpertsForwardArgs, BadArgumentsAreRefusedByName) {
   ASSERT_EQ(setenv("MOK_FP8_CLUSTER", "two", 1), 0);
   refused([](auto&) {}, "MOK_FP8_CLUSTER must be on or off, got 'two'");
   unsetenv("MOK_FP8_CLUSTER");
+  ASSERT_EQ(setenv("MOK_FP8_FUSED_DGU", "maybe", 1), 0);
+  refused([](auto&) {}, "MOK_FP8_FUSED_DGU must be on or off, got 'maybe'");
+  unsetenv("MOK_FP8_FUSED_DGU");
 }
 
 // The fp8 dgrad's arguments (fp8.h: experts_dgrad_fp8): whole scale blocks, 16-byte scale rows,

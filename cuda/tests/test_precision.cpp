@@ -604,7 +604,9 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
 // weight and the three weight gradients within a tolerance (dh's k-block sums are the tensor
 // cores', not the oracle's exact ones), the weights' transposes quantized on the GPU
 // (quantize_blocks_e4m3_transposed), outputs poisoned first, rows past the experts untouched,
-// reruns, a run on 3 SMs and one without clusters bit for bit.
+// dg|du's codes and scales (quantized in the dh epilogue) the CPU quantization of the GPU's own
+// dg|du bit for bit, reruns, a run on 3 SMs, one without clusters and one with dg|du quantized
+// by its own kernel (MOK_FP8_FUSED_DGU=off) bit for bit.
 class Fp8ExpertsDgrad : public ::testing::TestWithParam<Fp8ForwardCase> {};
 
 TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
@@ -700,11 +702,15 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
   ASSERT_EQ(cuda::can_implement(a), "");
 
   std::vector<uint16_t> first_dx;
-  std::vector<float> first_rw, first_g, first_u, first_d;
-  for (int run = 0; run < 5; ++run) {
+  std::vector<float> first_rw, first_g, first_u, first_d, first_dgus;
+  std::vector<uint8_t> first_dguq;
+  for (int run = 0; run < 6; ++run) {
     b.num_sms = run == 3 ? 3 : 0;  // on 3 CTAs (one cluster of two): many tiles each
-    const ClusterEnv clusters(run == 4 ? "off" : "on");  // the last run without clusters
+    const ClusterEnv clusters(run == 4 ? "off" : "on");  // run 4 without clusters
     ASSERT_TRUE(clusters.ok);
+    ASSERT_EQ(setenv("MOK_FP8_FUSED_DGU", run == 5 ? "off" : "on", 1), 0);  // run 5: dg|du's own quantizer
+    dguq.poison();
+    dgus.poison();
     ddgu.poison();
     dhw.poison();
     ddx.poison();
@@ -713,10 +719,13 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
     dWu.poison();
     dWd.poison();
     cuda::experts_dgrad_fp8(a, nullptr);
+    unsetenv("MOK_FP8_FUSED_DGU");
     cuda::experts_wgrad(b, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     ASSERT_EQ(dstatus.download()[0], 0);
     auto dxv = ddx.download();
+    auto dgu_codes = dguq.download();
+    auto dgu_scales = dgus.download();
     auto drwv = dd_rw.download(), g = dWg.download(), u = dWu.download(), d = dWd.download();
     if (run == 0) {
       const auto dx_f = from_bits(dxv);
@@ -733,7 +742,21 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
       for (int64_t r = M; r < capacity; ++r) {  // past the experts: nothing written
         for (int64_t j = 0; j < H; ++j) ASSERT_EQ(dxv[size_t(r * H + j)], 0xffff) << "dx row " << r;
         ASSERT_TRUE(std::isnan(drwv[size_t(r)])) << "d_row_weight row " << r;
+        for (int64_t j = 0; j < 2 * I; ++j) ASSERT_EQ(dgu_codes[size_t(r * 2 * I + j)], 0xff) << "dg|du codes row " << r;
       }
+      // dg|du's codes and scales: the oracle's quantization of the GPU's own bf16 dg|du, 1 x 128.
+      const auto dgu_f = from_bits(ddgu.download());
+      const std::vector<float> dgu_m(dgu_f.begin(), dgu_f.begin() + M * 2 * I);
+      const fp8::Quantized want = fp8::quantize_activations(dgu_m.data(), M, 2 * I);
+      for (int64_t r = 0; r < M; ++r) {
+        for (int64_t k = 0; k < 2 * I / 128; ++k)
+          ASSERT_EQ(dgu_scales[size_t(k * capacity + r)], want.scales[size_t(r * (2 * I / 128) + k)])
+              << "dg|du scale row " << r << " block " << k;
+        for (int64_t j = 0; j < 2 * I; ++j)
+          ASSERT_EQ(dgu_codes[size_t(r * 2 * I + j)], want.codes[size_t(r * 2 * I + j)]) << "dg|du code row " << r;
+      }
+      first_dguq = std::move(dgu_codes);
+      first_dgus = std::move(dgu_scales);
       first_dx = std::move(dxv);
       first_rw = std::move(drwv);
       first_g = std::move(g);
@@ -741,6 +764,8 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
       first_d = std::move(d);
     } else {
       EXPECT_EQ(first_bit_difference(dxv, first_dx), -1) << "dx differs in run " << run;
+      EXPECT_EQ(dgu_codes, first_dguq) << "dg|du codes differ in run " << run;
+      EXPECT_EQ(first_bit_difference(dgu_scales, first_dgus), -1) << "dg|du scales differ in run " << run;
       EXPECT_EQ(first_bit_difference(drwv, first_rw), -1) << "d_row_weight differs in run " << run;
       EXPECT_EQ(first_bit_difference(g, first_g), -1) << "dW_gate differs in run " << run;
       EXPECT_EQ(first_bit_difference(u, first_u), -1) << "dW_up differs in run " << run;

@@ -332,6 +332,12 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
           [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); },
           [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); }, 10);
       std::printf("      fp8 dgrad in clusters of two %7.3f ms | single CTAs %7.3f ms | %.3fx\n", t_on, t_off, t_off / t_on);
+      // dg|du quantized in the dh epilogue (the default) against its own quantizer launch.
+      const auto [t_fused, t_sep] = alternating_ms(
+          [&] { with_env("MOK_FP8_FUSED_DGU", "on", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); },
+          [&] { with_env("MOK_FP8_FUSED_DGU", "off", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); }, 10);
+      std::printf("      fp8 dgrad with dg|du quantized in the dh epilogue %7.3f ms | by its own launch %7.3f ms | %.3fx\n",
+                  t_fused, t_sep, t_sep / t_fused);
     }
     // Where the fp8 dgrad's time goes: its two activation quantizations alone (the rest is the
     // two GEMMs and the d row weight's reduction), with the bytes each moves.

@@ -15,6 +15,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "mok/cuda/detail/fp8_quantize.cuh"
 #include "mok/cuda/detail/gemm_config.cuh"
 #include "mok/cuda/detail/grouped_tile_scheduler.cuh"
 #include "mok/cuda/detail/swiglu.cuh"
@@ -325,6 +326,13 @@ struct SwiGluBackwardParams {
   int intermediate;
   bool has_limit;
   float limit;
+  // With 128-column tiles (the fp8 dh): dg|du also quantized here, a tile's 128 columns of dg and
+  // of du each one 1 x 128 block of a row, the same codes and scales as quantize_rows_e4m3_k_major
+  // of the bf16 dg|du (fp8_quantize.cuh): codes [rows, 2I], scales [2I / 128, scale_rows]. Null:
+  // not quantized.
+  uint8_t* dgu_codes = nullptr;
+  float* dgu_scales = nullptr;
+  int64_t scale_rows = 0;
 };
 
 // kRows: the tile's rows (128: both consumer warpgroups, 256 threads; 64: one warpgroup,
@@ -338,7 +346,7 @@ struct SwiGluBackwardEpilogueOf {
 
   // One 8-column vector of a row: dg, du, hw from dh, and the dh*h partial sum in column order.
   static __device__ __forceinline__ void vector8(const Params& p, int64_t row, int64_t col, float w,
-                                                 const float* dh, float& partial) {
+                                                 const float* dh, float& partial, uint4& dg_out, uint4& du_out) {
     const int64_t I = p.intermediate;
     const uint4 g8 = *reinterpret_cast<const uint4*>(p.gu + row * 2 * I + col);
     const uint4 u8 = *reinterpret_cast<const uint4*>(p.gu + row * 2 * I + I + col);
@@ -390,6 +398,8 @@ struct SwiGluBackwardEpilogueOf {
     *reinterpret_cast<uint4*>(p.dgu + row * 2 * I + col) = dg8;
     *reinterpret_cast<uint4*>(p.dgu + row * 2 * I + I + col) = du8;
     *reinterpret_cast<uint4*>(p.hw + row * I + col) = hw8;
+    dg_out = dg8;
+    du_out = du8;
   }
 
   // One round's read-back: the thread's 16 columns of both staging tiles (32 fp32 columns each),
@@ -397,9 +407,10 @@ struct SwiGluBackwardEpilogueOf {
   // four vectors' loads of g, u and h are in flight together: an out-of-line copy with its loops
   // rolled made the kernel 4x smaller but the backward 1-6% slower (tools/ab_timing.sh on an
   // H200, session 4); this kernel's code size did not cost instruction fetches.
+  // dg and du: the round's four 8-column vectors of each (b, v order), for the quantization.
   static __device__ __forceinline__ float read_back_round(const Params& p, const bfloat16_t* staging, int64_t row,
                                                          int64_t col0, int seg_row, int seg_col, float w,
-                                                         float partial) {
+                                                         float partial, uint4 (&dg)[4], uint4 (&du)[4]) {
     CUTE_UNROLL
     for (int b = 0; b < 2; ++b) {
       Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const float*>(staging + b * kRows * 64)),
@@ -419,7 +430,8 @@ struct SwiGluBackwardEpilogueOf {
           dh[4 * q + 2] = __uint_as_float(four.z);
           dh[4 * q + 3] = __uint_as_float(four.w);
         }
-        if (col < p.intermediate) vector8(p, row, col, w, dh, partial);  // I % 8 == 0
+        dg[2 * b + v] = du[2 * b + v] = make_uint4(0, 0, 0, 0);
+        if (col < p.intermediate) vector8(p, row, col, w, dh, partial, dg[2 * b + v], du[2 * b + v]);  // I % 8 == 0
       }
     }
     return partial;
@@ -434,6 +446,7 @@ struct SwiGluBackwardEpilogueOf {
     const int64_t row = int64_t(t.m_block) * kRows + seg_row;
     const float w = p.row_weight[row];
     float partial = 0.0f;
+    uint4 dg[kCols / 64][4], du[kCols / 64][4];  // the thread's dg and du, kept for the quantization
     // Two 32-column chunks per round, one per staging tile: the accumulator values of a round are
     // dead once written, which keeps the thread under its register budget.
     static_for<kCols / 64>([&](auto round_) {
@@ -454,11 +467,58 @@ struct SwiGluBackwardEpilogueOf {
       });
       epilogue_sync<kRows>();
       partial = read_back_round(p, staging, row, int64_t(t.n_block) * kCols + 64 * round + seg_col, seg_row, seg_col,
-                                w, partial);
+                                w, partial, dg[round], du[round]);
     });
     // The row's two threads (adjacent lanes) hold its two column halves: add them in a fixed order.
     const float other = __shfl_xor_sync(0xffffffffu, partial, 1);
     if (thread % 2 == 0) p.dw_partial[row * p.n_blocks + t.n_block] = __fadd_rn(partial, other);
+    if constexpr (kCols == 128) {
+      if (p.dgu_codes != nullptr) {  // (uniform: every thread of the launch takes the same branch)
+        quantize_half_row(p, row, t.n_block, seg_col, dg, 0);
+        quantize_half_row(p, row, t.n_block, seg_col, du, p.intermediate);
+      }
+    }
+  }
+
+  // The 128-column tiles' quantization of dg (plane 0) or du (plane_offset I): the thread holds 64
+  // of the row's 128 bf16 values (round r, staging tile b, vector v at tile column 64r + 32b +
+  // seg_col + 8v), its partner lane the other 64. The block's amax over both, its scale, and 16
+  // codes per (r, b) into codes row `row` at plane_offset + 128 n_block + 64r + 32b + seg_col.
+  static __device__ __forceinline__ void quantize_half_row(const Params& p, int64_t row, int n_block, int seg_col,
+                                                           const uint4 (&x)[kCols / 64][4], int64_t plane_offset) {
+    float amax = 0.0f;
+    CUTE_UNROLL
+    for (int r = 0; r < kCols / 64; ++r)
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&x[r][q]);
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(two[i]);
+          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const int e = fp8_scale_exponent(amax);
+    const int64_t block = (plane_offset + int64_t(n_block) * kCols) / 128;
+    if (seg_col == 0) p.dgu_scales[block * p.scale_rows + row] = ldexpf(1.0f, e);
+    const float inv = ldexpf(1.0f, -e);
+    uint8_t* codes = p.dgu_codes + row * 2 * int64_t(p.intermediate) + plane_offset + int64_t(n_block) * kCols + seg_col;
+    CUTE_UNROLL
+    for (int r = 0; r < kCols / 64; ++r)
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        uint32_t packed[4];
+        CUTE_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&x[r][2 * b + v]);
+          CUTE_UNROLL
+          for (int i = 0; i < 2; ++i)
+            packed[2 * v + i] = uint32_t(fp8_code2(__bfloat1622float2(two[2 * i]), inv)) |
+                                uint32_t(fp8_code2(__bfloat1622float2(two[2 * i + 1]), inv)) << 16;
+        }
+        *reinterpret_cast<uint4*>(codes + 64 * r + 32 * b) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
   }
 };
 using SwiGluBackwardEpilogue = SwiGluBackwardEpilogueOf<128>;
