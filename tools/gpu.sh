@@ -8,7 +8,7 @@
 # MOK_BENCH_IMPLS (bench_1gpu: e.g. "mok,torch_a2a"), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed,fp8}.py), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
-# bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
+# bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, train (bench/train.py, MOK_TRAIN_RUNS), bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
 # scaling (the layer at R = 1, 2, 4, 8 GPUs as far as the machine goes, then bench.scaling's table).
 # MOK_COREDUMP=1: a GPU exception in any step writes a small core dump (no memory images), and at
 # the end cuda-gdb names the faulting kernel, line and registers of each in coredump_*.txt (how
@@ -123,13 +123,18 @@ RUNS
   grep -A12 -m1 "^pass " "$LOGS/mok_run_cuda.log" | tee -a "$LOGS/summary.txt"
 fi
 
+# mok._C for the machine's python3 (pybind11 carried in .devdeps): the pytest and train steps.
+build_python_ext() {
+  cmake -S . -B "$ROOT/build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON -DMOK_BUILD_TESTS=OFF \
+    -DMOK_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
+    -Dpybind11_DIR="$DEPS/pybind11/share/cmake/pybind11" \
+    -DCUTLASS_INCLUDE_DIR="$DEPS/cutlass/include" > "$LOGS/pybuild.log" 2>&1 &&
+    timeout --kill-after=10 "$(left 300)" cmake --build "$ROOT/build-py" -j "$(nproc)" --target mok_python >> "$LOGS/pybuild.log" 2>&1
+}
+
 if has pytest; then
-  # mok._C for the machine's python3 (pybind11 carried in .devdeps), then the Python GPU tests.
-  if cmake -S . -B "$ROOT/build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_CUDA=ON -DMOK_BUILD_TESTS=OFF \
-       -DMOK_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
-       -Dpybind11_DIR="$DEPS/pybind11/share/cmake/pybind11" \
-       -DCUTLASS_INCLUDE_DIR="$DEPS/cutlass/include" > "$LOGS/pybuild.log" 2>&1 &&
-     timeout --kill-after=10 "$(left 300)" cmake --build "$ROOT/build-py" -j "$(nproc)" --target mok_python >> "$LOGS/pybuild.log" 2>&1; then
+  # mok._C, then the Python GPU tests.
+  if build_python_ext; then
     python3 -c "import pytest" 2>/dev/null || export PYTHONPATH="$DEPS/pypkgs:$PYTHONPATH"  # carried by setup.sh
     # 240 s for the 2-GPU machine; the every-GPU case adds up to 400 s on 4 and 8 GPUs.
     pytest_s=240; (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 4 )) && pytest_s=640
@@ -216,6 +221,24 @@ if has bench_1gpu; then
     > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
   python3 -m bench.render "$LOGS/baselines_1gpu_h200.json" >> "$LOGS/baselines_1gpu_h200.log" 2>&1 || true
   publish; log "bench 1gpu done"; tail -5 "$LOGS/baselines_1gpu_h200.log"
+fi
+
+if has train; then
+  # The end-to-end training step (bench/train.py: a decoder of attention + MoE blocks, MoK's layer
+  # against the torch layer on the same parameters and batches, steps alternating), one GPU;
+  # MOK_TRAIN_RUNS: ';'-separated argument lists, one bench.train process each.
+  if python3 -c "import mok._C" 2>/dev/null || build_python_ext; then
+    IFS=';' read -ra train_runs <<< "${MOK_TRAIN_RUNS:---presets qwen3-30b-a3b --layers 4;--presets mixtral-8x7b --layers 2}"
+    for i in "${!train_runs[@]}"; do
+      # shellcheck disable=SC2086  # each entry is an argument list
+      timeout --kill-after=10 "$(left 240)" python3 -m bench.train ${train_runs[$i]} --out "$LOGS/train_$i.json" \
+        > "$LOGS/train_$i.log" 2>&1 || status=1
+      log "train ${train_runs[$i]}:"; tail -8 "$LOGS/train_$i.log" | tee -a "$LOGS/summary.txt"
+      publish
+    done
+  else
+    status=1; log "python extension build FAILED"; tail -20 "$LOGS/pybuild.log"
+  fi
 fi
 
 if has bench_2gpu; then

@@ -1,0 +1,254 @@
+"""End to end: a training step of a decoder whose feed-forwards are MoE layers, with MoK's layer
+against the torch baseline layer on the same parameters and the same data, one GPU (EP = 1).
+
+The model is L pre-norm blocks, ``x + attn(norm(x))`` then ``x + moe(norm(x))``, between a token
+embedding and an LM head. Attention is torch's (``scaled_dot_product_attention``, causal, heads of
+128); every MoE is a ``mok.MoE`` with its router (softmax top-k) and, where the preset has one, a
+shared expert. Two copies of the model start from the same parameters:
+
+===========  ====================================================================================
+mok          ``mok.MoE.forward`` (on the GPU: the forward and backward megakernels; ``--precision``
+             fp8 / fp8_dgrad for MoK's block-scaled e4m3 paths)
+torch        the same module's parameters and router through the torch baseline (a) at one rank:
+             sort the (token, j) slots by expert, ``torch._grouped_mm`` gate and up, SwiGLU,
+             ``torch._grouped_mm`` down, un-sort, the fp32 weighted sum (bench/impls/torch_a2a.py)
+===========  ====================================================================================
+
+A step is forward, cross-entropy loss, backward and ``torch.optim.AdamW``; both copies take their
+steps in turn (mok, torch, mok, ...) on the same batches, so clocks under the power cap treat them
+alike. Printed per preset: the median step time of each, tokens per second, torch's time over
+MoK's (the end-to-end speedup), the peak memory a step adds over the resident model, and the first
+step's losses (the same parameters and batch: they must agree to bf16 rounding, or the run fails).
+
+    python -m bench.train --presets qwen3-30b-a3b,gpt-oss-120b --layers 4 --tokens 8192   # one GPU
+    python -m bench.train --smoke                                                        # CPU, tiny
+
+``--experts E`` keeps fewer routed experts than the preset (the same H, I, top-k) so that a large
+preset's layers fit one GPU with their gradients and optimizer state; the row names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mok  # (bench/__init__.py puts python/ on the path)
+
+from .impls._common import grouped_swiglu_mlp, inverse_permutation, shared_expert, weighted_slot_sum
+from .presets import Preset, get_preset
+
+HEAD_DIM = 128
+IMPLS = ("mok", "torch")
+
+
+def torch_moe(moe: mok.MoE, x: torch.Tensor) -> torch.Tensor:
+    """``moe``'s layer (router, routed experts, shared expert) through the torch baseline at one rank."""
+    topk_idx, topk_w = moe.router(x)
+    k = moe.topk
+    with torch.no_grad():
+        flat = topk_idx.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(torch.bincount(flat, minlength=moe.num_experts), 0).to(torch.int32)
+    x_sorted = x.index_select(0, order // k)
+    y_sorted = grouped_swiglu_mlp(x_sorted, offs, moe.w_gate, moe.w_up, moe.w_down, moe.swiglu_limit)
+    y_slots = y_sorted.index_select(0, inverse_permutation(order))
+    shared = (moe.shared_gate, moe.shared_up, moe.shared_down) if moe.shared_gate is not None else None
+    return weighted_slot_sum(y_slots, topk_w, shared_expert(x, shared, moe.swiglu_limit))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads = max(1, dim // HEAD_DIM)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=device, dtype=dtype)
+        self.out = nn.Linear(dim, dim, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, S, D))
+
+
+class Block(nn.Module):
+    def __init__(self, p: Preset, experts: int, device: torch.device, dtype: torch.dtype,
+                 config: mok.MoeConfig | None) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(p.H, device, dtype)
+        self.attn = Attention(p.H, device, dtype)
+        self.norm2 = RMSNorm(p.H, device, dtype)
+        self.moe = mok.MoE(experts, p.H, p.I, p.topk, shared_intermediate=p.shared_I, swiglu_limit=p.swiglu_limit,
+                           router="softmax", dtype=dtype, device=device, config=config)
+        self.impl = "mok"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x).reshape(-1, x.shape[-1])
+        y = self.moe(h) if self.impl == "mok" else torch_moe(self.moe, h)
+        return x + y.view_as(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, p: Preset, experts: int, layers: int, vocab: int, device: torch.device, dtype: torch.dtype,
+                 config: mok.MoeConfig | None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, p.H, device=device, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(p, experts, device, dtype, config) for _ in range(layers))
+        self.norm = RMSNorm(p.H, device, dtype)
+        self.head = nn.Linear(p.H, vocab, bias=False, device=device, dtype=dtype)
+
+    def set_impl(self, impl: str) -> None:
+        for b in self.blocks:
+            b.impl = impl
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1])
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+@dataclass
+class Row:
+    preset: str
+    experts: int
+    layers: int
+    tokens: int
+    seq: int
+    impl: str
+    precision: str
+    step_ms: float
+    tokens_per_s: float
+    speedup_vs_torch: float
+    step_peak_bytes: int
+    first_loss: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> list[Row]:
+    experts = args.experts or p.E
+    if experts < p.topk:
+        raise ValueError(f"--experts {experts} is fewer than {p.name}'s top-k {p.topk}")
+    seq = min(args.seq, args.tokens)
+    batch = max(1, args.tokens // seq)
+    dtype = torch.bfloat16
+    config = None if args.precision == "bf16" else mok.MoeConfig(precision=args.precision)
+    torch.manual_seed(args.seed)
+    base = Decoder(p, experts, args.layers, args.vocab, device, dtype, config)
+    models = {"mok": base, "torch": copy.deepcopy(base)}
+    models["torch"].set_impl("torch")
+    optims = {impl: torch.optim.AdamW(m.parameters(), lr=args.lr, foreach=True) for impl, m in models.items()}
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    batches = [torch.randint(0, args.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
+
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    peaks: dict[str, int] = {impl: 0 for impl in IMPLS}
+    first: dict[str, float] = {}
+    for step in range(args.warmup + args.steps):
+        tokens = batches[step % len(batches)]
+        for impl in IMPLS:
+            model, opt = models[impl], optims[impl]
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            loss = model.loss(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if step == 0:
+                first[impl] = float(loss.detach())
+            if step >= args.warmup:
+                times[impl].append(elapsed)
+                if device.type == "cuda":
+                    peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated(device) - resident)
+    # The same parameters and batch: the first losses agree to the layers' bf16 rounding.
+    if not math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol):
+        raise RuntimeError(f"{p.name}: first-step losses differ beyond {args.loss_rtol}: mok {first['mok']:.6f}, "
+                           f"torch {first['torch']:.6f}")
+    median = {impl: statistics.median(times[impl]) for impl in IMPLS}
+    rows = []
+    for impl in IMPLS:
+        rows.append(Row(p.name if experts == p.E else f"{p.name} ({experts} experts)", experts, args.layers,
+                        batch * seq, seq, impl, args.precision if impl == "mok" else "bf16", 1e3 * median[impl],
+                        batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl]))
+    del models, optims
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def render(rows: list[Row]) -> str:
+    lines = ["| preset | layers | tokens | impl | precision | step ms | tokens/s | torch / this | step peak GiB | first loss |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.preset} | {r.layers} | {r.tokens} | {r.impl} | {r.precision} | {r.step_ms:.2f} | "
+                     f"{r.tokens_per_s:,.0f} | {r.speedup_vs_torch:.3f}x | {r.step_peak_bytes / 2**30:.2f} | "
+                     f"{r.first_loss:.5f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="qwen3-30b-a3b", help="comma-separated bench.presets names")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts kept (0: the preset's)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per impl")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_dgrad"), help="MoK's layer precision")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss-rtol", type=float, default=2e-3, help="first-step losses must agree this closely")
+    ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 layers, 64 tokens, 2 steps (CPU plumbing)")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.presets, args.layers, args.tokens, args.seq, args.vocab = "tiny", 2, 64, 32, 256
+        args.steps, args.warmup = 2, 1
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows: list[Row] = []
+    for name in args.presets.split(","):
+        rows += run_preset(get_preset(name.strip()), args, device)
+    print(render(rows))
+    if args.out is not None:
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
