@@ -17,8 +17,8 @@ torch        the same module's parameters and router through the torch baseline 
 A step is forward, cross-entropy loss, backward and ``torch.optim.AdamW``; both copies take their
 steps in turn (mok, torch, mok, ...) on the same batches, so clocks under the power cap treat them
 alike. Printed per preset: the median step time of each, tokens per second, torch's time over
-MoK's (the end-to-end speedup), the peak memory a step adds over the resident model, and the first
-step's losses (the same parameters and batch: they must agree to bf16 rounding, or the run fails).
+MoK's (the end-to-end speedup), the peak memory forward and backward add over the resident model
+(the activations; the optimizer's temporaries come after), and the first step's losses (the same parameters and batch: they must agree to bf16 rounding, or the run fails).
 
     python -m bench.train --presets qwen3-30b-a3b,gpt-oss-120b --layers 4 --tokens 8192   # one GPU
     python -m bench.train --smoke                                                        # CPU, tiny
@@ -142,7 +142,7 @@ class Row:
     step_ms: float
     tokens_per_s: float
     speedup_vs_torch: float
-    step_peak_bytes: int
+    activation_peak_bytes: int  # forward + backward over the resident model
     first_loss: float
 
 
@@ -181,6 +181,8 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
             t0 = time.perf_counter()
             loss = model.loss(tokens)
             loss.backward()
+            if device.type == "cuda" and step >= args.warmup:  # the activations (AdamW's temporaries come after)
+                peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated(device) - resident)
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
@@ -189,8 +191,6 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
                 first[impl] = float(loss.detach())
             if step >= args.warmup:
                 times[impl].append(elapsed)
-                if device.type == "cuda":
-                    peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated(device) - resident)
     # The same parameters and batch: the first losses agree to the layers' bf16 rounding.
     if not math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol):
         raise RuntimeError(f"{p.name}: first-step losses differ beyond {args.loss_rtol}: mok {first['mok']:.6f}, "
@@ -208,11 +208,11 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
 
 
 def render(rows: list[Row]) -> str:
-    lines = ["| preset | layers | tokens | impl | precision | step ms | tokens/s | torch / this | step peak GiB | first loss |",
+    lines = ["| preset | layers | tokens | impl | precision | step ms | tokens/s | torch / this | fwd+bwd peak GiB | first loss |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.preset} | {r.layers} | {r.tokens} | {r.impl} | {r.precision} | {r.step_ms:.2f} | "
-                     f"{r.tokens_per_s:,.0f} | {r.speedup_vs_torch:.3f}x | {r.step_peak_bytes / 2**30:.2f} | "
+                     f"{r.tokens_per_s:,.0f} | {r.speedup_vs_torch:.3f}x | {r.activation_peak_bytes / 2**30:.2f} | "
                      f"{r.first_loss:.5f} |")
     return "\n".join(lines)
 
