@@ -3,7 +3,7 @@ against the torch baseline layer on the same parameters and the same data, one G
 
 The model is L pre-norm blocks, ``x + attn(norm(x))`` then ``x + moe(norm(x))``, between a token
 embedding and an LM head. Attention is torch's (``scaled_dot_product_attention``, causal, heads of
-128); every MoE is a ``mok.MoE`` with its router (softmax top-k) and, where the preset has one, a
+128 where the width allows); every MoE is a ``mok.MoE`` with its router (softmax top-k) and, where the preset has one, a
 shared expert. Two copies of the model start from the same parameters:
 
 ===========  ====================================================================================
@@ -48,7 +48,6 @@ import mok  # (bench/__init__.py puts python/ on the path)
 from .impls._common import grouped_swiglu_mlp, inverse_permutation, shared_expert, weighted_slot_sum
 from .presets import Preset, get_preset
 
-HEAD_DIM = 128
 IMPLS = ("mok", "torch")
 
 
@@ -80,7 +79,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, dim: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        self.heads = max(1, dim // HEAD_DIM)
+        # Heads of 128 where the width allows, else the largest power of two dividing it
+        # (gpt-oss's 2880 = 45 heads of 64).
+        head_dim = next(d for d in (128, 64, 32, 16, 8, 4, 2, 1) if dim % d == 0)
+        self.heads = dim // head_dim
         self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=device, dtype=dtype)
         self.out = nn.Linear(dim, dim, bias=False, device=device, dtype=dtype)
 
