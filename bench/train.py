@@ -1,5 +1,6 @@
 """End to end: a training step of a decoder whose feed-forwards are MoE layers, with MoK's layer
-against the torch baseline layer on the same parameters and the same data, one GPU (EP = 1).
+against the torch baseline layer on the same parameters and the same data: one GPU, or one
+expert-parallel group under torchrun.
 
 The model is L pre-norm blocks, ``x + attn(norm(x))`` then ``x + moe(norm(x))``, between a token
 embedding and an LM head. Attention is torch's (``scaled_dot_product_attention``, causal, heads of
@@ -9,9 +10,10 @@ shared expert. Two copies of the model start from the same parameters:
 ===========  ====================================================================================
 mok          ``mok.MoE.forward`` (on the GPU: the forward and backward megakernels; ``--precision``
              fp8 / fp8_dgrad for MoK's block-scaled e4m3 paths)
-torch        the same module's parameters and router through the torch baseline (a) at one rank:
-             sort the (token, j) slots by expert, ``torch._grouped_mm`` gate and up, SwiGLU,
-             ``torch._grouped_mm`` down, un-sort, the fp32 weighted sum (bench/impls/torch_a2a.py)
+torch        the same module's parameters and router through the torch baseline (a): sort the
+             (token, j) slots by expert, ``all_to_all_single`` dispatch (ranks > 1),
+             ``torch._grouped_mm`` gate and up, SwiGLU, ``torch._grouped_mm`` down, combine,
+             un-sort, the fp32 weighted sum (bench/impls/torch_a2a.py: ``alltoall_moe``)
 ===========  ====================================================================================
 
 A step is forward, cross-entropy loss, backward and ``torch.optim.AdamW``; both copies take their
@@ -22,6 +24,12 @@ MoK's (the end-to-end speedup), the peak memory forward and backward add over th
 
     python -m bench.train --presets qwen3-30b-a3b,gpt-oss-120b --layers 4 --tokens 8192   # one GPU
     python -m bench.train --smoke                                                        # CPU, tiny
+    torchrun --standalone --nproc-per-node 2 -m bench.train --presets kimi-k2 --experts 96 --layers 2
+
+Under torchrun the ranks are one expert-parallel group (MoK's layer over it, the baseline with
+NCCL ``all_to_all_single``) and data-parallel for the rest: each rank its own batches, the
+replicated parameters' gradients averaged in one all-reduce (both copies alike); the step time is
+the slowest rank's, tokens per second the group's.
 
 ``--experts E`` keeps fewer routed experts than the preset (the same H, I, top-k) so that a large
 preset's layers fit one GPU with their gradients and optimizer state; the row names it.
@@ -30,9 +38,9 @@ preset's layers fit one GPU with their gradients and optimizer state; the row na
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -40,30 +48,31 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import mok  # (bench/__init__.py puts python/ on the path)
 
-from .impls._common import grouped_swiglu_mlp, inverse_permutation, shared_expert, weighted_slot_sum
+from .impls._common import grouped_swiglu_mlp, shared_expert
+from .impls.torch_a2a import alltoall_moe
 from .presets import Preset, get_preset
 
 IMPLS = ("mok", "torch")
 
 
-def torch_moe(moe: mok.MoE, x: torch.Tensor) -> torch.Tensor:
-    """``moe``'s layer (router, routed experts, shared expert) through the torch baseline at one rank."""
+def torch_moe(moe: mok.MoE, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``moe``'s layer (router, routed experts, shared expert) through the torch baseline (a) on this
+    rank's tokens: all_to_all_single dispatch and combine over ``group`` (none at one rank), rows
+    grouped by expert, ``torch._grouped_mm`` SwiGLU MLP, the fp32 weighted sum."""
     topk_idx, topk_w = moe.router(x)
-    k = moe.topk
-    with torch.no_grad():
-        flat = topk_idx.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        offs = torch.cumsum(torch.bincount(flat, minlength=moe.num_experts), 0).to(torch.int32)
-    x_sorted = x.index_select(0, order // k)
-    y_sorted = grouped_swiglu_mlp(x_sorted, offs, moe.w_gate, moe.w_up, moe.w_down, moe.swiglu_limit)
-    y_slots = y_sorted.index_select(0, inverse_permutation(order))
     shared = (moe.shared_gate, moe.shared_up, moe.shared_down) if moe.shared_gate is not None else None
-    return weighted_slot_sum(y_slots, topk_w, shared_expert(x, shared, moe.swiglu_limit))
+
+    def experts(x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu_mlp(x_sorted, offs, moe.w_gate, moe.w_up, moe.w_down, moe.swiglu_limit)
+
+    return alltoall_moe(x, topk_idx, topk_w, experts, shared_expert(x, shared, moe.swiglu_limit), moe.local_experts,
+                        group)
 
 
 class RMSNorm(nn.Module):
@@ -95,28 +104,29 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, p: Preset, experts: int, device: torch.device, dtype: torch.dtype,
-                 config: mok.MoeConfig | None) -> None:
+                 config: mok.MoeConfig | None, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
+        self.group = group
         self.norm1 = RMSNorm(p.H, device, dtype)
         self.attn = Attention(p.H, device, dtype)
         self.norm2 = RMSNorm(p.H, device, dtype)
         self.moe = mok.MoE(experts, p.H, p.I, p.topk, shared_intermediate=p.shared_I, swiglu_limit=p.swiglu_limit,
-                           router="softmax", dtype=dtype, device=device, config=config)
+                           router="softmax", group=group, dtype=dtype, device=device, config=config)
         self.impl = "mok"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         h = self.norm2(x).reshape(-1, x.shape[-1])
-        y = self.moe(h) if self.impl == "mok" else torch_moe(self.moe, h)
+        y = self.moe(h) if self.impl == "mok" else torch_moe(self.moe, h, self.group)
         return x + y.view_as(x)
 
 
 class Decoder(nn.Module):
     def __init__(self, p: Preset, experts: int, layers: int, vocab: int, device: torch.device, dtype: torch.dtype,
-                 config: mok.MoeConfig | None) -> None:
+                 config: mok.MoeConfig | None, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, p.H, device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(p, experts, device, dtype, config) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(p, experts, device, dtype, config, group) for _ in range(layers))
         self.norm = RMSNorm(p.H, device, dtype)
         self.head = nn.Linear(p.H, vocab, bias=False, device=device, dtype=dtype)
 
@@ -131,13 +141,30 @@ class Decoder(nn.Module):
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
+    def average_replicated_grads(self, group: dist.ProcessGroup | None) -> None:
+        """Data parallelism over the EP group: every parameter but the routed experts' (each rank's
+        own, whose gradients already sum over every rank's tokens) is replicated; their gradients
+        are averaged, in one all-reduce."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        grads = [p.grad for name, p in self.named_parameters()
+                 if p.grad is not None and name.rsplit(".", 1)[-1] not in ("w_gate", "w_up", "w_down")]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
 
 @dataclass
 class Row:
     preset: str
     experts: int
     layers: int
-    tokens: int
+    ranks: int
+    tokens: int  # per rank
     seq: int
     impl: str
     precision: str
@@ -153,20 +180,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> list[Row]:
+def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
+               group: dist.ProcessGroup | None = None) -> list[Row]:
     experts = args.experts or p.E
+    ranks = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
     if experts < p.topk:
         raise ValueError(f"--experts {experts} is fewer than {p.name}'s top-k {p.topk}")
+    if experts % ranks != 0:
+        raise ValueError(f"--experts {experts} does not split over {ranks} ranks")
     seq = min(args.seq, args.tokens)
     batch = max(1, args.tokens // seq)
     dtype = torch.bfloat16
     config = None if args.precision == "bf16" else mok.MoeConfig(precision=args.precision)
-    torch.manual_seed(args.seed)
-    base = Decoder(p, experts, args.layers, args.vocab, device, dtype, config)
-    models = {"mok": base, "torch": copy.deepcopy(base)}
-    models["torch"].set_impl("torch")
+    def build(impl: str) -> Decoder:
+        # The same seed for both copies and on every rank: the copies start equal, and so do the
+        # replicated parameters across ranks (each rank's experts start as the others' do; the
+        # timing does not care).
+        torch.manual_seed(args.seed)
+        model = Decoder(p, experts, args.layers, args.vocab, device, dtype, config, group)
+        model.set_impl(impl)
+        return model
+
+    models = {impl: build(impl) for impl in IMPLS}
     optims = {impl: torch.optim.AdamW(m.parameters(), lr=args.lr, foreach=True) for impl, m in models.items()}
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1 + rank)  # each rank its own batches
     batches = [torch.randint(0, args.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
 
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
@@ -183,6 +221,7 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
             t0 = time.perf_counter()
             loss = model.loss(tokens)
             loss.backward()
+            model.average_replicated_grads(group)
             if device.type == "cuda" and step >= args.warmup:  # the activations (AdamW's temporaries come after)
                 peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated(device) - resident)
             opt.step()
@@ -193,16 +232,21 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
                 first[impl] = float(loss.detach())
             if step >= args.warmup:
                 times[impl].append(elapsed)
-    # The same parameters and batch: the first losses agree to the layers' bf16 rounding.
+    # The same parameters and batch: the first losses agree to the layers' bf16 rounding (on every rank).
     if not math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol):
-        raise RuntimeError(f"{p.name}: first-step losses differ beyond {args.loss_rtol}: mok {first['mok']:.6f}, "
-                           f"torch {first['torch']:.6f}")
+        raise RuntimeError(f"{p.name}: rank {rank}'s first-step losses differ beyond {args.loss_rtol}: "
+                           f"mok {first['mok']:.6f}, torch {first['torch']:.6f}")
+    if ranks > 1:  # each step's time is the slowest rank's; the peaks the largest
+        for impl in IMPLS:
+            t = torch.tensor(times[impl] + [float(peaks[impl])], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            times[impl], peaks[impl] = t[:-1].tolist(), int(t[-1].item())
     median = {impl: statistics.median(times[impl]) for impl in IMPLS}
     rows = []
     for impl in IMPLS:
-        rows.append(Row(p.name if experts == p.E else f"{p.name} ({experts} experts)", experts, args.layers,
+        rows.append(Row(p.name if experts == p.E else f"{p.name} ({experts} experts)", experts, args.layers, ranks,
                         batch * seq, seq, impl, args.precision if impl == "mok" else "bf16", 1e3 * median[impl],
-                        batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl]))
+                        ranks * batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl]))
     del models, optims
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -210,10 +254,11 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device) -> lis
 
 
 def render(rows: list[Row]) -> str:
-    lines = ["| preset | layers | tokens | impl | precision | step ms | tokens/s | torch / this | fwd+bwd peak GiB | first loss |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| preset | layers | ranks | tokens per rank | impl | precision | step ms | tokens/s | torch / this | "
+             "fwd+bwd peak GiB | first loss (rank 0) |",
+             "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.preset} | {r.layers} | {r.tokens} | {r.impl} | {r.precision} | {r.step_ms:.2f} | "
+        lines.append(f"| {r.preset} | {r.layers} | {r.ranks} | {r.tokens} | {r.impl} | {r.precision} | {r.step_ms:.2f} | "
                      f"{r.tokens_per_s:,.0f} | {r.speedup_vs_torch:.3f}x | {r.activation_peak_bytes / 2**30:.2f} | "
                      f"{r.first_loss:.5f} |")
     return "\n".join(lines)
@@ -240,10 +285,25 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.smoke:
         args.presets, args.layers, args.tokens, args.seq, args.vocab = "tiny", 2, 64, 32, 256
         args.steps, args.warmup = 2, 1
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows: list[Row] = []
-    for name in args.presets.split(","):
-        rows += run_preset(get_preset(name.strip()), args, device)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: expert parallelism over every process
+        cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        group = dist.group.WORLD
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        rows: list[Row] = []
+        for name in args.presets.split(","):
+            rows += run_preset(get_preset(name.strip()), args, device, group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+    if group is not None and int(os.environ.get("RANK", "0")) != 0:
+        return rows
     print(render(rows))
     if args.out is not None:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -225,13 +225,15 @@ fi
 
 if has train; then
   # The end-to-end training step (bench/train.py: a decoder of attention + MoE blocks, MoK's layer
-  # against the torch layer on the same parameters and batches, steps alternating), one GPU;
-  # MOK_TRAIN_RUNS: ';'-separated argument lists, one bench.train process each.
+  # against the torch layer on the same parameters and batches, steps alternating), one GPU, or
+  # MOK_NPROC > 1: torchrun over that many (one expert-parallel group);
+  # MOK_TRAIN_RUNS: ';'-separated argument lists, one bench.train run each.
   if python3 -c "import mok._C" 2>/dev/null || build_python_ext; then
     IFS=';' read -ra train_runs <<< "${MOK_TRAIN_RUNS:---presets qwen3-30b-a3b --layers 4;--presets mixtral-8x7b --layers 2}"
     for i in "${!train_runs[@]}"; do
+      launcher=(python3); (( ${MOK_NPROC:-1} > 1 )) && launcher=(torchrun --standalone --nproc-per-node "$MOK_NPROC")
       # shellcheck disable=SC2086  # each entry is an argument list
-      timeout --kill-after=10 "$(left 240)" python3 -m bench.train ${train_runs[$i]} --out "$LOGS/train_$i.json" \
+      timeout --kill-after=10 "$(left 240)" "${launcher[@]}" -m bench.train ${train_runs[$i]} --out "$LOGS/train_$i.json" \
         > "$LOGS/train_$i.log" 2>&1 || status=1
       log "train ${train_runs[$i]}:"; tail -8 "$LOGS/train_$i.log" | tee -a "$LOGS/summary.txt"
       publish

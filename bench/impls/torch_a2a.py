@@ -16,7 +16,7 @@ gloo implements ``all_to_all_single`` on CPU tensors, so the smoke mode runs the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,48 @@ class _AllToAllRows(torch.autograd.Function):
         return d_rows, None, None, None
 
 
+def alltoall_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shared_out: torch.Tensor | None,
+                 local_experts: int, group: Any) -> torch.Tensor:
+    """Baseline (a)'s layer on this rank's tokens ``x [T,H]`` routed by global expert ids ``topk_idx
+    [T,k]`` (expert e on rank e // local_experts) with weights ``topk_w``: ``experts(x_sorted, offs)``
+    runs this rank's experts on rows grouped by expert (end offsets ``offs``); ``shared_out`` is
+    added in the weighted sum. ``group``: the expert-parallel group (None or size 1: no exchange)."""
+    R = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    El, k, device = local_experts, topk_idx.shape[1], x.device
+    with torch.no_grad():
+        flat_expert = topk_idx.reshape(-1)
+        # Global expert ids sort slots by destination rank (contiguous placement), then by local expert.
+        slot_order = torch.sort(flat_expert, stable=True).indices
+        send_counts = torch.bincount(flat_expert, minlength=R * El).view(R, El)
+        if R > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=group)  # [src, local expert]
+        else:
+            recv_counts = send_counts
+        host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # host sync
+        send_splits, recv_splits = host[0], host[1]
+        num_recv = sum(recv_splits)
+        # Received rows are ordered (source rank, local expert); regroup them by expert.
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(El, device=device).repeat(R), recv_counts.reshape(-1), output_size=num_recv
+        )
+        expert_order = torch.sort(expert_of_row, stable=True).indices
+        offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
+
+    x_send = x.index_select(0, slot_order // k)
+    x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group) if R > 1 else x_send
+    x_sorted = x_recv.index_select(0, expert_order)
+    if num_recv == 0:
+        # No rows for our experts: one padding row past every group keeps the GEMMs non-empty.
+        x_sorted = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])
+    y_sorted = experts(x_sorted, offs)[:num_recv]
+    y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
+    y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
+    y_slots = y_back.index_select(0, inverse_permutation(slot_order))
+    return weighted_slot_sum(y_slots, topk_w, shared_out)
+
+
 def _memory_bytes(problem: Any, ctx: BenchContext) -> int:
     return layer_activation_bytes(problem, problem.load.max_rows_received())
 
@@ -62,7 +104,7 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
     if problem.case.precision not in ("bf16", "fp8"):
         raise Skip(f"precision {problem.case.precision} not implemented in the torch baseline")
     p = problem
-    R, El, k = p.ranks, p.local_experts, p.preset.topk
+    El = p.local_experts
     group = ctx.runtime.group
     device = p.x.device
     fp8 = p.case.precision == "fp8"
@@ -88,37 +130,7 @@ def build(problem: Any, ctx: BenchContext) -> Runner:
         return grouped_swiglu_mlp_fp8(p.x, offs, shared8[0], shared8[1], p.swiglu_limit)
 
     def forward() -> torch.Tensor:
-        with torch.no_grad():
-            flat_expert = p.topk_idx.reshape(-1)
-            # Global expert ids sort slots by destination rank (contiguous placement), then by local expert.
-            slot_order = torch.sort(flat_expert, stable=True).indices
-            send_counts = torch.bincount(flat_expert, minlength=R * El).view(R, El)
-            if R > 1:
-                recv_counts = torch.empty_like(send_counts)
-                dist.all_to_all_single(recv_counts, send_counts, group=group)  # [src, local expert]
-            else:
-                recv_counts = send_counts
-            host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # host sync
-            send_splits, recv_splits = host[0], host[1]
-            num_recv = sum(recv_splits)
-            # Received rows are ordered (source rank, local expert); regroup them by expert.
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(El, device=device).repeat(R), recv_counts.reshape(-1), output_size=num_recv
-            )
-            expert_order = torch.sort(expert_of_row, stable=True).indices
-            offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
-
-        x_send = p.x.index_select(0, slot_order // k)
-        x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group) if R > 1 else x_send
-        x_sorted = x_recv.index_select(0, expert_order)
-        if num_recv == 0:
-            # No rows for our experts: one padding row past every group keeps the GEMMs non-empty.
-            x_sorted = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])
-        y_sorted = experts(x_sorted, offs)[:num_recv]
-        y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
-        y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
-        y_slots = y_back.index_select(0, inverse_permutation(slot_order))
-        return weighted_slot_sum(y_slots, p.topk_w, shared_out())
+        return alltoall_moe(p.x, p.topk_idx, p.topk_w, experts, shared_out(), El, group)
 
     if fp8:
         def forward_fp8() -> torch.Tensor:

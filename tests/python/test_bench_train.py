@@ -5,12 +5,17 @@ is caught."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench import train
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_rows_and_json(tmp_path: Path) -> None:
@@ -41,6 +46,20 @@ def test_the_models_share_their_parameters_and_the_layers_their_math() -> None:
 
 def test_a_wrong_layer_fails_the_loss_check(monkeypatch: pytest.MonkeyPatch) -> None:
     real = train.torch_moe
-    monkeypatch.setattr(train, "torch_moe", lambda moe, x: 3.0 * real(moe, x))
+    monkeypatch.setattr(train, "torch_moe", lambda moe, x, group=None: 3.0 * real(moe, x, group))
     with pytest.raises(RuntimeError, match="first-step losses differ"):
         train.main(["--smoke", "--device", "cpu"])
+
+
+def test_two_ranks_over_gloo(tmp_path: Path) -> None:
+    """Under torchrun the ranks are one expert-parallel group: MoK's layer over it, the baseline's
+    all_to_all_single over gloo; rank 0 writes the rows, with the group's tokens per second."""
+    out = tmp_path / "train2.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "bench.train", "--smoke", "--device", "cpu", "--out", str(out)],
+                   cwd=REPO, env=env, check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["ranks"]) for r in rows] == [("mok", 2), ("torch", 2)]
+    assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=2e-3)
+    assert rows[0]["tokens_per_s"] == pytest.approx(2 * rows[0]["tokens"] / (rows[0]["step_ms"] / 1e3), rel=1e-6)
