@@ -10,6 +10,8 @@ The TorchTitan/Megatron "alltoall" path. Per forward:
 4. grouped gate/up GEMMs, SwiGLU, grouped down GEMM; un-permute; combine with ``all_to_all_single``;
 5. un-sort to slot order and take the fp32 weighted sum over j, plus the shared expert.
 Backward is autograd through all of it (the all-to-alls' backward is the reverse all-to-all).
+At one rank steps 2-4's exchange and permutation fall away (no host sync): the sorted slots are
+already grouped by expert.
 
 gloo implements ``all_to_all_single`` on CPU tensors, so the smoke mode runs the same exchange.
 """
@@ -69,27 +71,30 @@ def alltoall_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
         if R > 1:
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=group)  # [src, local expert]
-        else:
-            recv_counts = send_counts
-        host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # host sync
-        send_splits, recv_splits = host[0], host[1]
-        num_recv = sum(recv_splits)
-        # Received rows are ordered (source rank, local expert); regroup them by expert.
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(El, device=device).repeat(R), recv_counts.reshape(-1), output_size=num_recv
-        )
-        expert_order = torch.sort(expert_of_row, stable=True).indices
+            host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # host sync
+            send_splits, recv_splits = host[0], host[1]
+            num_recv = sum(recv_splits)
+            # Received rows are ordered (source rank, local expert); regroup them by expert.
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(El, device=device).repeat(R), recv_counts.reshape(-1), output_size=num_recv
+            )
+            expert_order = torch.sort(expert_of_row, stable=True).indices
+        else:  # one rank: the sorted slots are the expert groups already; no exchange, no host sync
+            recv_counts, num_recv = send_counts, flat_expert.numel()
         offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
 
     x_send = x.index_select(0, slot_order // k)
-    x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group) if R > 1 else x_send
-    x_sorted = x_recv.index_select(0, expert_order)
+    x_sorted = x_send
+    if R > 1:
+        x_sorted = _AllToAllRows.apply(x_send, recv_splits, send_splits, group).index_select(0, expert_order)
     if num_recv == 0:
         # No rows for our experts: one padding row past every group keeps the GEMMs non-empty.
         x_sorted = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])
     y_sorted = experts(x_sorted, offs)[:num_recv]
-    y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
-    y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group) if R > 1 else y_recv
+    y_back = y_sorted
+    if R > 1:
+        y_recv = y_sorted.index_select(0, inverse_permutation(expert_order))
+        y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)
     y_slots = y_back.index_select(0, inverse_permutation(slot_order))
     return weighted_slot_sum(y_slots, topk_w, shared_out)
 
