@@ -193,6 +193,7 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
     batch = max(1, args.tokens // seq)
     dtype = torch.bfloat16
     config = None if args.precision == "bf16" else mok.MoeConfig(precision=args.precision)
+
     def build(impl: str) -> Decoder:
         # The same seed for both copies and on every rank: the copies start equal, and so do the
         # replicated parameters across ranks (each rank's experts start as the others' do; the
@@ -232,10 +233,18 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
                 first[impl] = float(loss.detach())
             if step >= args.warmup:
                 times[impl].append(elapsed)
-    # The same parameters and batch: the first losses agree to the layers' bf16 rounding (on every rank).
-    if not math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol):
-        raise RuntimeError(f"{p.name}: rank {rank}'s first-step losses differ beyond {args.loss_rtol}: "
-                           f"mok {first['mok']:.6f}, torch {first['torch']:.6f}")
+    # The same parameters and batch: the first losses agree to the layers' bf16 rounding, on every
+    # rank; every rank learns of any rank's disagreement and raises (none is left in a collective).
+    agree = math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol)
+    disagreeing = [] if agree else [rank]
+    if ranks > 1:
+        flags = torch.zeros(ranks, dtype=torch.int32, device=device)
+        flags[rank] = 0 if agree else 1
+        dist.all_reduce(flags, group=group)
+        disagreeing = [r for r, f in enumerate(flags.tolist()) if f]
+    if disagreeing:
+        raise RuntimeError(f"{p.name}: the first-step losses differ beyond {args.loss_rtol} on rank(s) "
+                           f"{disagreeing} (this rank {rank}: mok {first['mok']:.6f}, torch {first['torch']:.6f})")
     if ranks > 1:  # each step's time is the slowest rank's; the peaks the largest
         for impl in IMPLS:
             t = torch.tensor(times[impl] + [float(peaks[impl])], dtype=torch.float64, device=device)
