@@ -78,6 +78,13 @@ void require_offsets(std::span<const int64_t> offsets, int64_t count) {
   }
 }
 
+// The fp8 oracles' shape condition: hidden and intermediate are whole 128-wide scale blocks.
+void require_fp8_blocks(const char* who, const MlpShape& shape) {
+  MOK_REQUIRE(shape.hidden % fp8::kBlock == 0 && shape.intermediate % fp8::kBlock == 0, who,
+              " needs hidden and intermediate multiples of 128 (whole scale blocks), got ", shape.hidden, " and ",
+              shape.intermediate);
+}
+
 template <class Real>
 void require_finite(const std::vector<Real>& v, const char* what, int64_t rank, int64_t row_width) {
   for (size_t i = 0; i < v.size(); ++i) {
@@ -317,9 +324,7 @@ void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>&
                                 const float* x, const float* gu, const float* h, const float* dy,
                                 const float* row_weight, float* dx, float* d_row_weight, float* d_gate, float* d_up,
                                 float* d_down) {
-  MOK_REQUIRE(shape.hidden % fp8::kBlock == 0 && shape.intermediate % fp8::kBlock == 0,
-              "experts_backward_fp8_dgrad needs hidden and intermediate multiples of 128 (whole scale blocks), got ",
-              shape.hidden, " and ", shape.intermediate);
+  require_fp8_blocks("experts_backward_fp8_dgrad", shape);
   Fp8DgradGemms gemms{shape, w};
   WgradGemms<float> wgrads;
   experts_backward_with(gemms, wgrads, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up,
@@ -329,9 +334,7 @@ void experts_backward_fp8_dgrad(const MlpShape& shape, const ExpertsView<float>&
 void experts_backward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
                           const float* x, const float* gu, const float* h, const float* dy, const float* row_weight,
                           float* dx, float* d_row_weight, float* d_gate, float* d_up, float* d_down) {
-  MOK_REQUIRE(shape.hidden % fp8::kBlock == 0 && shape.intermediate % fp8::kBlock == 0,
-              "experts_backward_fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got ",
-              shape.hidden, " and ", shape.intermediate);
+  require_fp8_blocks("experts_backward_fp8", shape);
   Fp8DgradGemms gemms{shape, w};
   Fp8WgradGemms wgrads;
   experts_backward_with(gemms, wgrads, shape, w, offsets, x, gu, h, dy, row_weight, dx, d_row_weight, d_gate, d_up,
@@ -597,10 +600,8 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
 void experts_forward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std::span<const int64_t> offsets,
                          const float* x, float* gu, float* h, float* y) {
   require_offsets(offsets, w.count);
+  require_fp8_blocks("experts_forward_fp8", shape);
   const int64_t H = shape.hidden, I = shape.intermediate;
-  MOK_REQUIRE(H % fp8::kBlock == 0 && I % fp8::kBlock == 0,
-              "experts_forward_fp8 needs hidden and intermediate multiples of 128 (whole scale blocks), got ", H,
-              " and ", I);
   const int64_t M = w.count == 0 ? 0 : offsets[w.count];
   std::vector<float> acc(static_cast<size_t>(M * 2 * I));  // unrounded [g|u] per row
   std::vector<float> part;
