@@ -33,9 +33,6 @@ static_assert(sizeof(detail::Fp8ScaledGemmSharedStorage) <= 232448, "shared stor
 
 const float_e4m3_t* e4m3(const uint8_t* p) { return reinterpret_cast<const float_e4m3_t*>(p); }
 
-// Clusters of two CTAs sharing a's loads (fp8_scaled_gemm_kernel's kCluster) unless
-// MOK_FP8_CLUSTER=off (read at each call: the timing tool's same-process A/B); the other values
-// are refused by name.
 // The fp8 kernels' on/off switches, on unless set to off (read at each call: the timing tool's
 // same-process A/Bs and the tests' bitwise comparisons): MOK_FP8_CLUSTER (the GEMMs in clusters
 // of two) and MOK_FP8_FUSED_DGU (dg|du quantized in the dh epilogue). Other values are refused by

@@ -202,7 +202,7 @@ TEST(Fp8ExpertsForwardArgs, BadArgumentsAreRefusedByName) {
   refused([](auto& b) { b.w_up_scales = nullptr; }, "must not be null");
   refused([](auto& b) { b.swiglu_limit = -1.0f; }, "swiglu_limit must be > 0");
   refused([](auto& b) { b.local_experts = 0; }, "local_experts must be in");
-  // The cluster switch (fp8_experts.cu: MOK_FP8_CLUSTER) is checked with the arguments.
+  // The fp8 switches (fp8_experts.cu: MOK_FP8_CLUSTER, MOK_FP8_FUSED_DGU) are checked with the arguments.
   ASSERT_EQ(setenv("MOK_FP8_CLUSTER", "two", 1), 0);
   refused([](auto&) {}, "MOK_FP8_CLUSTER must be on or off, got 'two'");
   unsetenv("MOK_FP8_CLUSTER");

@@ -42,6 +42,12 @@ void with_env(const char* name, const char* value, Call&& call) {
   unsetenv(name);
 }
 
+// call() with the fp8 switch `name` on and off, rounds alternating: {on ms, off ms}.
+template <class Call>
+std::pair<float, float> switch_ab(const char* name, Call&& call, int iters) {
+  return alternating_ms([&] { with_env(name, "on", call); }, [&] { with_env(name, "off", call); }, iters);
+}
+
 // cuBLASLt's dense e4m3 GEMM C[m, n] = A[m, k] B[n, k]^T (row-major, bf16 out, unit scales): the
 // fp8 ceiling beside which the block-scaled grouped GEMMs are read. Returns its ms, or -1 when
 // cuBLASLt has no algorithm for it.
@@ -188,12 +194,10 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     // The fp8 GEMMs in clusters of two (the default) against single CTAs (MOK_FP8_CLUSTER=off),
     // rounds alternating.
     {
-      const auto [t_on, t_off] = alternating_ms(
-          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); },
-          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }); }, iters);
-      const auto [g_on, g_off] = alternating_ms(
-          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); },
-          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }); }, iters);
+      const auto [t_on, t_off] =
+          switch_ab("MOK_FP8_CLUSTER", [&] { mok::cuda::experts_forward_fp8(f, nullptr); }, iters);
+      const auto [g_on, g_off] =
+          switch_ab("MOK_FP8_CLUSTER", [&] { mok::cuda::experts_gate_up_fp8(f, nullptr); }, iters);
       std::printf("      fp8 clusters of two: forward %7.3f ms (single CTAs %7.3f, %.3fx) | gate|up %7.3f ms %6.1f TF/s "
                   "(single CTAs %7.3f, %.3fx)\n",
                   t_on, t_off, t_off / t_on, g_on, f_gate_up / g_on / 1e9, g_off, g_off / g_on);
@@ -328,14 +332,12 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     std::printf("    dgrad fp8 (block-scaled e4m3) %7.3f ms %6.1f TF/s | bf16 %7.3f ms %6.1f TF/s | fp8/bf16 speed %.3fx\n",
                 t8, 6.0 * M * H * I / t8 / 1e9, t16, 6.0 * M * H * I / t16 / 1e9, t16 / t8);
     {
-      const auto [t_on, t_off] = alternating_ms(
-          [&] { with_env("MOK_FP8_CLUSTER", "on", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); },
-          [&] { with_env("MOK_FP8_CLUSTER", "off", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); }, 10);
+      const auto [t_on, t_off] =
+          switch_ab("MOK_FP8_CLUSTER", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, 10);
       std::printf("      fp8 dgrad in clusters of two %7.3f ms | single CTAs %7.3f ms | %.3fx\n", t_on, t_off, t_off / t_on);
       // dg|du quantized in the dh epilogue (the default) against its own quantizer launch.
-      const auto [t_fused, t_sep] = alternating_ms(
-          [&] { with_env("MOK_FP8_FUSED_DGU", "on", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); },
-          [&] { with_env("MOK_FP8_FUSED_DGU", "off", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }); }, 10);
+      const auto [t_fused, t_sep] =
+          switch_ab("MOK_FP8_FUSED_DGU", [&] { mok::cuda::experts_dgrad_fp8(f8, nullptr); }, 10);
       std::printf("      fp8 dgrad with dg|du quantized in the dh epilogue %7.3f ms | by its own launch %7.3f ms | %.3fx\n",
                   t_fused, t_sep, t_sep / t_fused);
     }
