@@ -440,11 +440,12 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
 // tolerance (the tensor cores' sum within a k-block is not the oracle's exact one), h_codes and
 // h_scales the CPU quantization of the GPU's own h bit for bit, rows past the experts untouched,
 // five reruns, a run on 3 SMs and one without clusters (MOK_FP8_CLUSTER=off) bit for bit.
-// MOK_FP8_CLUSTER (fp8_experts.cu: the fp8 GEMMs in clusters of two, on by default) set for a
-// scope, and unset again however the scope ends.
-struct ClusterEnv {
-  explicit ClusterEnv(const char* value) : ok(setenv("MOK_FP8_CLUSTER", value, 1) == 0) {}
-  ~ClusterEnv() { unsetenv("MOK_FP8_CLUSTER"); }
+// One of the fp8 kernels' switches (fp8_experts.cu: MOK_FP8_CLUSTER, MOK_FP8_FUSED_DGU; on by
+// default) set for a scope, and unset again however the scope ends.
+struct SwitchEnv {
+  SwitchEnv(const char* name, const char* value) : name(name), ok(setenv(name, value, 1) == 0) {}
+  ~SwitchEnv() { unsetenv(name); }
+  const char* name;
   bool ok;
 };
 
@@ -535,7 +536,7 @@ TEST_P(Fp8ExpertsForward, MatchesTheOracleAndIsDeterministic) {
   std::vector<uint8_t> first_hq;
   for (int run = 0; run < 7; ++run) {
     a.num_sms = run == 5 ? 3 : 0;  // on 3 CTAs (one cluster of two): many tiles each
-    const ClusterEnv clusters(run == 6 ? "off" : "on");  // the last run without clusters
+    const SwitchEnv clusters("MOK_FP8_CLUSTER", run == 6 ? "off" : "on");  // the last run without clusters
     ASSERT_TRUE(clusters.ok);
     dgu.poison();
     dh.poison();
@@ -706,9 +707,9 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
   std::vector<uint8_t> first_dguq;
   for (int run = 0; run < 6; ++run) {
     b.num_sms = run == 3 ? 3 : 0;  // on 3 CTAs (one cluster of two): many tiles each
-    const ClusterEnv clusters(run == 4 ? "off" : "on");  // run 4 without clusters
-    ASSERT_TRUE(clusters.ok);
-    ASSERT_EQ(setenv("MOK_FP8_FUSED_DGU", run == 5 ? "off" : "on", 1), 0);  // run 5: dg|du's own quantizer
+    const SwitchEnv clusters("MOK_FP8_CLUSTER", run == 4 ? "off" : "on");  // run 4 without clusters
+    const SwitchEnv fused_dgu("MOK_FP8_FUSED_DGU", run == 5 ? "off" : "on");  // run 5: dg|du's own quantizer
+    ASSERT_TRUE(clusters.ok && fused_dgu.ok);
     dguq.poison();
     dgus.poison();
     ddgu.poison();
@@ -719,7 +720,6 @@ TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
     dWu.poison();
     dWd.poison();
     cuda::experts_dgrad_fp8(a, nullptr);
-    unsetenv("MOK_FP8_FUSED_DGU");
     cuda::experts_wgrad(b, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     ASSERT_EQ(dstatus.download()[0], 0);
