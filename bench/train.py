@@ -180,6 +180,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_step(model: Decoder, opt: torch.optim.Optimizer, tokens: torch.Tensor, group: dist.ProcessGroup | None,
+                 device: torch.device, top: int) -> str:
+    """One training step of ``model`` under torch.profiler: its ``top`` entries by self time on the
+    device (on the CPU when there is no GPU), as the profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        loss = model.loss(tokens)
+        loss.backward()
+        model.average_replicated_grads(group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+    return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=top)
+
+
 def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
                group: dist.ProcessGroup | None = None) -> list[Row]:
     experts = args.experts or p.E
@@ -250,6 +269,12 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
             t = torch.tensor(times[impl] + [float(peaks[impl])], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             times[impl], peaks[impl] = t[:-1].tolist(), int(t[-1].item())
+    if args.profile:  # one more step of each copy under the profiler: where its time goes
+        tokens = batches[0]
+        for impl in IMPLS:
+            print(f"### {p.name}, {impl} ({args.precision if impl == 'mok' else 'bf16'}): one step's top "
+                  f"{args.profile} kernels by self time\n" + profile_step(models[impl], optims[impl], tokens, group,
+                                                                        device, args.profile), flush=True)
     median = {impl: statistics.median(times[impl]) for impl in IMPLS}
     rows = []
     for impl in IMPLS:
@@ -289,6 +314,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--loss-rtol", type=float, default=2e-3, help="first-step losses must agree this closely")
     ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 layers, 64 tokens, 2 steps (CPU plumbing)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timing, profile one more step of each copy and print its top N kernels")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

@@ -215,6 +215,34 @@ void run(int64_t H, int64_t I, int64_t El, int64_t rows_per_expert, cublasHandle
     const float t8_down = t_fp8 - t8_gu - t8_q;
     std::printf("      fp8 gate|up %7.3f ms %6.1f TF/s | h quantized %6.3f ms | down (the rest) %7.3f ms %6.1f TF/s\n",
                 t8_gu, f_gate_up / t8_gu / 1e9, t8_q, t8_down, f_down / t8_down / 1e9);
+    // The weights' quantization, which training pays at every step (the weights change): the
+    // forward's codes of all three, and with them, in the same pass, fp8_dgrad's transposes.
+    {
+      const double w_elems = 3.0 * El * I * H;
+      const float t_codes = time_ms([&] {
+        mok::cuda::quantize_blocks_e4m3(wg, El, I, H, wgq, wgs, nullptr);
+        mok::cuda::quantize_blocks_e4m3(wu, El, I, H, wuq, wus, nullptr);
+        mok::cuda::quantize_blocks_e4m3(wd, El, H, I, wdq, wds, nullptr);
+      }, iters);
+      uint8_t *wdt, *wgut;
+      float *wdts, *wguts;
+      CHECK_CUDA(cudaMalloc(&wdt, El * I * H));
+      CHECK_CUDA(cudaMalloc(&wgut, El * H * 2 * I));
+      CHECK_CUDA(cudaMalloc(&wdts, El * (I / 128) * (H / 128) * 4));
+      CHECK_CUDA(cudaMalloc(&wguts, El * (H / 128) * (2 * I / 128) * 4));
+      const float t_both = time_ms([&] {
+        mok::cuda::quantize_blocks_e4m3_transposed(wd, El, H, I, wdq, wds, wdt, wdts, H, 0, nullptr);
+        mok::cuda::quantize_blocks_e4m3_transposed(wg, El, I, H, wgq, wgs, wgut, wguts, 2 * I, 0, nullptr);
+        mok::cuda::quantize_blocks_e4m3_transposed(wu, El, I, H, wuq, wus, wgut, wguts, 2 * I, I, nullptr);
+      }, iters);
+      const float t_t = time_ms([&] { mok::cuda::quantize_dgrad_weights(wg, wu, wd, El, H, I, wdt, wdts, wgut, wguts, nullptr); },
+                                iters);
+      std::printf("      weights quantized (3 x %lld x %lld x %lld): codes %6.3f ms (%5.0f GB/s) | transposes alone %6.3f ms "
+                  "(%5.0f GB/s) | codes and transposes in one pass %6.3f ms (%5.0f GB/s)\n",
+                  (long long)El, (long long)I, (long long)H, t_codes, 3.0 * w_elems / t_codes / 1e6, t_t,
+                  3.0 * w_elems / t_t / 1e6, t_both, 4.0 * w_elems / t_both / 1e6);
+      for (void* q : {(void*)wdt, (void*)wgut, (void*)wdts, (void*)wguts}) cudaFree(q);
+    }
     for (void* q : {(void*)xq, (void*)wgq, (void*)wuq, (void*)wdq, (void*)hq, (void*)xs, (void*)wgs, (void*)wus, (void*)wds, (void*)hs})
       cudaFree(q);
   }

@@ -33,6 +33,18 @@ def test_smoke_rows_and_json(tmp_path: Path) -> None:
     assert {r["impl"] for r in data["rows"]} == {"mok", "torch"}
 
 
+def test_profile_prints_each_copys_top_entries(capsys: pytest.CaptureFixture[str]) -> None:
+    """--profile N: one more step of each copy under torch.profiler, its N top entries printed (MoK's
+    forward and backward among the smoke model's on the CPU); the timed rows are unchanged in form."""
+    rows = train.main(["--smoke", "--device", "cpu", "--profile", "4"])
+    printed = capsys.readouterr().out
+    assert "### tiny, mok (bf16): one step's top 4 kernels by self time" in printed
+    assert "### tiny, torch (bf16): one step's top 4 kernels by self time" in printed
+    mok_table = printed.split("### tiny, mok")[1].split("### tiny, torch")[0]
+    assert "mok::" in mok_table  # the layer's own ops are what the smoke step spends most in
+    assert [r.impl for r in rows] == ["mok", "torch"]
+
+
 def test_the_models_share_their_parameters_and_the_layers_their_math() -> None:
     """One block's MoE through both layers on the same input gives the same output (bf16 rounding)."""
     torch.manual_seed(3)
