@@ -335,6 +335,7 @@ TEST(Precision, Fp8ColumnQuantizedTransposesEqualTheCpuOracleBitForBit) {
 TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  // Both kernel forms (vectorized and general) give the oracle's codes, scales and transposes.
   // Three planes (experts) of 300 x (1024 + 80): partial 128 x 128 blocks at both edges. Each
   // block's magnitudes from 2^-40 to 2^40 by its position; one all-zero block; two blocks of small
   // values (2^-10) whose largest value is placed: 30720 in block 45's last (partial) row (scale
@@ -368,71 +369,78 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   ASSERT_EQ(want_scales[45], 128.0f);  // the placed values decide their blocks' scales
   ASSERT_EQ(want_scales[54], 1.0f);
 
-  DeviceBuffer<uint16_t> dw(w.size());
+  // Both of the quantizer's forms: the vectorized one (x 16-byte aligned, cols % 8 == 0, rows % 4
+  // == 0), and the general one, which x one bf16 into its buffer (2-byte aligned) selects.
+  DeviceBuffer<uint16_t> dw_buffer(w.size() + 1);
   DeviceBuffer<uint8_t> dcodes(want_codes.size());
   DeviceBuffer<float> dscales(want_scales.size());
-  ASSERT_NE(dw.ptr, nullptr);
-  dw.upload(test::to_bits(w));
-  for (int run = 0; run < 2; ++run) {
-    dcodes.poison(0xaa);
-    dscales.poison();
-    cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    const std::vector<uint8_t> codes = dcodes.download();
-    const std::vector<float> scales = dscales.download();
-    for (size_t i = 0; i < want_scales.size(); ++i)
-      ASSERT_EQ(std::memcmp(&scales[i], &want_scales[i], sizeof(float)), 0)
-          << "scale of block " << i << ": " << scales[i] << " against " << want_scales[i];
-    for (size_t i = 0; i < want_codes.size(); ++i)
-      ASSERT_EQ(codes[i], want_codes[i]) << "plane " << i / (rows * cols) << " row " << i / cols % rows << " column "
-                                         << i % cols << " (w " << w[i] << ")";
-  }
-  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, -1, cols, dcodes.ptr, dscales.ptr, nullptr),
-               std::invalid_argument);
-  EXPECT_THROW(cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, nullptr, dscales.ptr, nullptr),
-               std::invalid_argument);
-
-  // The transposes (the fp8 dgrad's W^T operands): each plane's fp8::transpose of the oracle's
-  // quantization, at column offsets 0 and 384 of rows of 768 (as [W_gate^T | W_up^T] would sit),
-  // nothing written in the columns past a plane's 300 rows; with and without the plain codes.
   const int64_t ld_t = 768, blocks_t = ld_t / 128;
   DeviceBuffer<uint8_t> dcodes_t(planes * cols * ld_t);
   DeviceBuffer<float> dscales_t(planes * col_blocks * blocks_t);
-  dcodes_t.poison(0xaa);
-  dscales_t.poison();
-  dcodes.poison(0xaa);
-  cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, dcodes.ptr, dscales.ptr, dcodes_t.ptr,
-                                        dscales_t.ptr, ld_t, 0, nullptr);
-  cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr, dscales_t.ptr,
-                                        ld_t, 384, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(dcodes.download(), want_codes) << "the plain codes beside the transposes";
-  const std::vector<uint8_t> codes_t = dcodes_t.download();
-  const std::vector<float> scales_t = dscales_t.download();
-  for (int64_t p = 0; p < planes; ++p) {
-    const fp8::Quantized t = fp8::transpose(fp8::quantize_weights(w.data() + p * rows * cols, rows, cols));
-    for (const int64_t offset : {int64_t{0}, int64_t{384}}) {
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t r = 0; r < 384; ++r) {
-          const uint8_t got = codes_t[size_t((p * cols + c) * ld_t + offset + r)];
-          if (r < rows) {
-            ASSERT_EQ(got, t.codes[size_t(c * rows + r)]) << "plane " << p << " W^T row " << c << " column " << r
-                                                          << " at offset " << offset;
-          } else {
-            ASSERT_EQ(got, 0xaa) << "written past the plane's rows: plane " << p << " row " << c << " column " << r;
-          }
-        }
-      for (int64_t cb = 0; cb < col_blocks; ++cb)
-        for (int64_t rb = 0; rb < row_blocks; ++rb)
-          ASSERT_EQ(scales_t[size_t((p * col_blocks + cb) * blocks_t + offset / 128 + rb)],
-                    t.scales[size_t(cb * row_blocks + rb)])
-              << "plane " << p << " W^T block " << cb << "," << rb << " at offset " << offset;
+  ASSERT_NE(dw_buffer.ptr, nullptr);
+  for (const int misalign : {0, 1}) {
+    SCOPED_TRACE(misalign ? "the general kernel (x 2-byte aligned)" : "the vectorized kernel");
+    const uint16_t* dw = dw_buffer.ptr + misalign;
+    const std::vector<uint16_t> bits = test::to_bits(w);
+    CUDA_OK(cudaMemcpy(dw_buffer.ptr + misalign, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+    for (int run = 0; run < 2; ++run) {
+      dcodes.poison(0xaa);
+      dscales.poison();
+      cuda::quantize_blocks_e4m3(dw, planes, rows, cols, dcodes.ptr, dscales.ptr, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> codes = dcodes.download();
+      const std::vector<float> scales = dscales.download();
+      for (size_t i = 0; i < want_scales.size(); ++i)
+        ASSERT_EQ(std::memcmp(&scales[i], &want_scales[i], sizeof(float)), 0)
+            << "scale of block " << i << ": " << scales[i] << " against " << want_scales[i];
+      for (size_t i = 0; i < want_codes.size(); ++i)
+        ASSERT_EQ(codes[i], want_codes[i]) << "plane " << i / (rows * cols) << " row " << i / cols % rows << " column "
+                                           << i % cols << " (w " << w[i] << ")";
     }
-  }
-  for (const int64_t bad_offset : {int64_t{64}, int64_t{512}})  // not a block; 512 + 300 > 768
-    EXPECT_THROW(cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr,
-                                                       dscales_t.ptr, ld_t, bad_offset, nullptr),
+    EXPECT_THROW(cuda::quantize_blocks_e4m3(dw, planes, -1, cols, dcodes.ptr, dscales.ptr, nullptr),
                  std::invalid_argument);
+    EXPECT_THROW(cuda::quantize_blocks_e4m3(dw, planes, rows, cols, nullptr, dscales.ptr, nullptr),
+                 std::invalid_argument);
+
+    // The transposes (the fp8 dgrad's W^T operands): each plane's fp8::transpose of the oracle's
+    // quantization, at column offsets 0 and 384 of rows of 768 (as [W_gate^T | W_up^T] would sit),
+    // nothing written in the columns past a plane's 300 rows; with and without the plain codes.
+    dcodes_t.poison(0xaa);
+    dscales_t.poison();
+    dcodes.poison(0xaa);
+    cuda::quantize_blocks_e4m3_transposed(dw, planes, rows, cols, dcodes.ptr, dscales.ptr, dcodes_t.ptr,
+                                          dscales_t.ptr, ld_t, 0, nullptr);
+    cuda::quantize_blocks_e4m3_transposed(dw, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr, dscales_t.ptr,
+                                          ld_t, 384, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(dcodes.download(), want_codes) << "the plain codes beside the transposes";
+    const std::vector<uint8_t> codes_t = dcodes_t.download();
+    const std::vector<float> scales_t = dscales_t.download();
+    for (int64_t p = 0; p < planes; ++p) {
+      const fp8::Quantized t = fp8::transpose(fp8::quantize_weights(w.data() + p * rows * cols, rows, cols));
+      for (const int64_t offset : {int64_t{0}, int64_t{384}}) {
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t r = 0; r < 384; ++r) {
+            const uint8_t got = codes_t[size_t((p * cols + c) * ld_t + offset + r)];
+            if (r < rows) {
+              ASSERT_EQ(got, t.codes[size_t(c * rows + r)]) << "plane " << p << " W^T row " << c << " column " << r
+                                                            << " at offset " << offset;
+            } else {
+              ASSERT_EQ(got, 0xaa) << "written past the plane's rows: plane " << p << " row " << c << " column " << r;
+            }
+          }
+        for (int64_t cb = 0; cb < col_blocks; ++cb)
+          for (int64_t rb = 0; rb < row_blocks; ++rb)
+            ASSERT_EQ(scales_t[size_t((p * col_blocks + cb) * blocks_t + offset / 128 + rb)],
+                      t.scales[size_t(cb * row_blocks + rb)])
+                << "plane " << p << " W^T block " << cb << "," << rb << " at offset " << offset;
+      }
+    }
+    for (const int64_t bad_offset : {int64_t{64}, int64_t{512}})  // not a block; 512 + 300 > 768
+      EXPECT_THROW(cuda::quantize_blocks_e4m3_transposed(dw, planes, rows, cols, nullptr, nullptr, dcodes_t.ptr,
+                                                         dscales_t.ptr, ld_t, bad_offset, nullptr),
+                   std::invalid_argument);
+  }
 }
 
 // The experts' fp8 forward (experts_forward_fp8) against its CPU oracle (reference.h:

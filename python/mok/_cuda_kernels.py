@@ -55,7 +55,7 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_fp8_dgrad_scratch_bytes.argtypes = [ctypes.c_int64] * 3
     lib.mok_cuda_quantize_blocks_e4m3_transposed.restype = ctypes.c_int
     lib.mok_cuda_quantize_blocks_e4m3_transposed.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
-        ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_copy_bytes.restype = ctypes.c_int
     lib.mok_cuda_copy_bytes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -322,21 +322,25 @@ def experts_backward(x_rows: torch.Tensor, offsets: torch.Tensor, gu: torch.Tens
 
 def quantize_transposed(w_down: torch.Tensor | None = None, w_gate: torch.Tensor | None = None,
                         w_up: torch.Tensor | None = None, *,
-                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        plain: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 dgrad's weight operands, block-scaled e4m3 of the weights' transposes (a 128 x 128
     block's scale is its transpose's: the codes are quantize_weights', moved): either
     W_down^T [El, I, H] from w_down [El, H, I] bf16, with scales [El, I / 128, H / 128]; or
     [W_gate^T | W_up^T] [El, H, 2I] from w_gate and w_up [El, I, H] bf16, with scales
-    [El, H / 128, 2I / 128]. Into ``out`` (codes, scales) when given, which it returns."""
+    [El, H / 128, 2I / 128]. Into ``out`` (codes, scales) when given, which it returns. ``plain``:
+    (codes, scales) for each given weight, shaped as :func:`quantize_weights` makes them, written
+    in the same pass (each weight read once for both layouts)."""
     if (w_down is None) == (w_gate is None) or (w_gate is None) != (w_up is None):
         raise ValueError("give w_down alone, or w_gate and w_up")
     planes_of = [w_down] if w_down is not None else [w_gate, w_up]
+    names = ("w_down",) if w_down is not None else ("w_gate", "w_up")
     first = planes_of[0]
     if first.dim() != 3:
         raise ValueError(f"the weights must be [planes, rows, cols], got shape {tuple(first.shape)}")
     planes, rows, cols = first.shape
-    _check_tensors(tuple((name, w, (planes, rows, cols), torch.bfloat16)
-                         for name, w in zip(("w_down",) if w_down is not None else ("w_gate", "w_up"), planes_of)))
+    _check_tensors(tuple((name, w, (planes, rows, cols), torch.bfloat16) for name, w in zip(names, planes_of)))
     if rows % 128 or cols % 128:
         raise ValueError(f"the weights' rows and columns must be multiples of 128, got {rows} x {cols}")
     ld = rows * len(planes_of)
@@ -348,15 +352,48 @@ def quantize_transposed(w_down: torch.Tensor | None = None, w_gate: torch.Tensor
         codes, scales = out
         _check_tensors((("codes", codes, shape, torch.float8_e4m3fn), ("scales", scales, scale_shape, torch.float32)),
                        first.device)
+    if plain is not None:
+        if len(plain) != len(planes_of):
+            raise ValueError(f"plain must hold (codes, scales) for each of {', '.join(names)}, got {len(plain)}")
+        _check_tensors(tuple(spec for name, (c, sc) in zip(names, plain) for spec in (
+            (f"{name}'s codes", c, (planes, rows, cols), torch.float8_e4m3fn),
+            (f"{name}'s scales", sc, (planes, rows // 128, cols // 128), torch.float32))), first.device)
     error = ctypes.create_string_buffer(512)
     with torch.cuda.device(first.device):
         for i, w in enumerate(planes_of):
+            plain_codes, plain_scales = (None, None) if plain is None else (_ptr(plain[i][0]), _ptr(plain[i][1]))
             rc = _lib().mok_cuda_quantize_blocks_e4m3_transposed(
-                _ptr(w), planes, rows, cols, _ptr(codes), _ptr(scales), ld, i * rows,
+                _ptr(w), planes, rows, cols, plain_codes, plain_scales, _ptr(codes), _ptr(scales), ld, i * rows,
                 torch.cuda.current_stream(first.device).cuda_stream, error, len(error))
             if rc != 0:
                 raise ValueError(error.value.decode())
     return codes, scales
+
+
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (codes float8_e4m3fn, f32 scales)
+
+
+def quantize_for_dgrad(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                       out: tuple[tuple[Quantized, Quantized, Quantized], tuple[Quantized, Quantized]] | None = None
+                       ) -> tuple[tuple[Quantized, Quantized, Quantized], tuple[Quantized, Quantized]]:
+    """All of precision fp8_dgrad's weight operands, each weight read once: ((codes, scales) of w_gate,
+    w_up and w_down as :func:`quantize_weights` gives them, (W_down^T, [W_gate^T | W_up^T]) as
+    :func:`quantize_transposed` gives them). Into ``out`` (the same nesting) when given, which it
+    returns."""
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if w.dim() != 3 or w.shape[1] % 128 or w.shape[2] % 128:
+            raise ValueError(f"{name} must be [planes, rows, cols] with rows and columns multiples of 128, got "
+                             f"shape {tuple(w.shape)}")
+    if out is None:
+        plain = tuple((torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+                       torch.empty(w.shape[0], w.shape[1] // 128, w.shape[2] // 128, dtype=torch.float32,
+                                   device=w.device)) for w in (w_gate, w_up, w_down))
+        transposes: tuple[Quantized | None, Quantized | None] = (None, None)
+    else:
+        plain, transposes = out
+    down_t = quantize_transposed(w_down, out=transposes[0], plain=(plain[2],))
+    gate_up_t = quantize_transposed(w_gate=w_gate, w_up=w_up, out=transposes[1], plain=(plain[0], plain[1]))
+    return (plain[0], plain[1], plain[2]), (down_t, gate_up_t)
 
 
 def fp8_dgrad_scratch(rows: int, hidden: int, intermediate: int, device: torch.device) -> torch.Tensor:

@@ -208,7 +208,7 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     y_shared = None if y_shared is None else y_shared.contiguous()
     if ws.fused.fp8:
-        ws.fused.run_fp8(ws.bases, _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down), y, y_shared=y_shared,
+        ws.fused.run_fp8(ws.bases, *_fp8_weights(w_gate, w_up, w_down, ws.fused.fp8_dgrad), y, y_shared=y_shared,
                          context=context)
     else:
         ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y, y_shared=y_shared, context=context)
@@ -241,7 +241,8 @@ class _FusedMoe(torch.autograd.Function):
         y_shared = None
         kept: tuple[Tensor | None, ...] = (None, None, None)
         if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8=fp8)
+            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8=fp8,
+                                                    fp8_dgrad=ws.fused.fp8_dgrad)
             assert rows is not None
             kept = rows
         y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
@@ -292,7 +293,7 @@ class _FusedMoe(torch.autograd.Function):
         d_gate = torch.empty(El, I, H, dtype=grad, device=device)
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
-        fp8_gate_up = (_fp8_weight(w_gate), _fp8_weight(w_up)) if ws.fused.fp8 and replay else None
+        fp8_gate_up = _fp8_weights(w_gate, w_up, w_down, ws.fused.fp8_dgrad)[:2] if ws.fused.fp8 and replay else None
         transposes = _fp8_transposes(w_gate, w_up, w_down) if ws.fused.fp8_dgrad else None
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
@@ -336,10 +337,12 @@ def _shared_weights(s_gate: Tensor, s_up: Tensor, s_down: Tensor) -> tuple[Tenso
 
 
 def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
-                           keep: bool = True, fp8: bool = False) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
+                           keep: bool = True, fp8: bool = False,
+                           fp8_dgrad: bool = False) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
     """The shared expert on MoK's expert kernels (one expert, every token a row; gate|up with the
     fused SwiGLU, then down; with ``fp8`` on block-scaled e4m3, experts_forward_fp8, as the routed
-    experts of an fp8 call): (x rows in bf16, g|u, h) kept for _shared_expert_backward when
+    experts of an fp8 call; with ``fp8_dgrad`` too, the weights' codes come from the pass that also
+    writes their transposes): (x rows in bf16, g|u, h) kept for _shared_expert_backward when
     ``keep``, and y_shared."""
     T, H = x.shape
     offsets, weight = _shared_rows(T, x.device)
@@ -352,7 +355,7 @@ def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tens
     if fp8:
         h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
                    torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
-        weights = [_fp8_weight(w) for w in (s_gate, s_up, s_down)]
+        weights = _fp8_weights(s_gate, s_up, s_down, fp8_dgrad)
         kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, *weights, h=h, y=y, h_codes=h_codes, gu=gu,
                                     swiglu_limit=swiglu_limit)
     else:
@@ -397,15 +400,16 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
 
 # The fp8 layer's weight operands, quantized once per weight tensor(s) and version (a step that
 # changes a weight in place bumps its version): (kind, id(weight), ...) -> (weak references to the
-# weights, their (data_ptr, shape, dtype, version), (codes, scales)). kind "codes": a weight's
-# codes (the forward's); "down_t" / "gate_up_t": fp8_dgrad's transposes of W_down and of W_gate
-# with W_up. The entry goes when a weight does. (Keyed by id: a WeakKeyDictionary compares
-# tensors with ==, which is elementwise.)
-_FP8_WEIGHTS: dict[tuple[object, ...], tuple[tuple[weakref.ref, ...], tuple[object, ...], tuple[Tensor, Tensor]]] = {}
+# weights, their (data_ptr, shape, dtype, version), the quantized operands). kind "codes": a
+# weight's (codes, scales) (precision fp8's forward); "dgrad": fp8_dgrad's, the three weights'
+# codes and the transposes of W_down and of W_gate with W_up from one pass over each weight
+# (_fp8_dgrad_operands). The entry goes when a weight does. (Keyed by id: a WeakKeyDictionary
+# compares tensors with ==, which is elementwise.)
+_FP8_WEIGHTS: dict[tuple[object, ...], tuple[tuple[weakref.ref, ...], tuple[object, ...], Any]] = {}
 # Entries whose codes a CUDA graph requantizes on every replay: key -> the buffers the graphs
 # write, held while the weights live (a graph keeps raw addresses). A replay can change a weight
 # without a version bump (an optimizer step in the graph), so an eager call never trusts them.
-_FP8_IN_GRAPHS: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+_FP8_IN_GRAPHS: dict[tuple[object, ...], Any] = {}
 
 
 def _planes(w: Tensor) -> Tensor:
@@ -413,8 +417,7 @@ def _planes(w: Tensor) -> Tensor:
     return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
 
 
-def _cached_fp8(kind: str, weights: tuple[Tensor, ...],
-                quantize: Any) -> tuple[Tensor, Tensor]:
+def _cached_fp8(kind: str, weights: tuple[Tensor, ...], quantize: Any) -> Any:
     """quantize(out) of ``weights`` (out: None, or the cached buffers to write), cached per version.
     Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
     warm-up call), so every replay quantizes the weights' values at that time."""
@@ -425,7 +428,7 @@ def _cached_fp8(kind: str, weights: tuple[Tensor, ...],
         old[:3] == new[:3] for old, new in zip(cached[1], stamps))
     if torch.cuda.is_current_stream_capturing():
         if cached is None or not same_tensors:
-            made_by = "first forward" if kind == "codes" else "first backward (precision='fp8_dgrad')"
+            made_by = "first forward"
             raise RuntimeError(f"mok: an fp8 layer quantizes its weights into buffers made by the call that first "
                                f"needs them, here the {made_by}, which cannot run inside a CUDA graph capture: run "
                                "one training step with these weights before capturing")
@@ -451,15 +454,28 @@ def _fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return _cached_fp8("codes", (w,), lambda out: kernels.quantize_weights(_planes(w), out=out))
 
 
+def _fp8_dgrad_operands(w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Any:
+    """Precision fp8_dgrad's weight operands, each weight read once for both layouts
+    (kernels.quantize_for_dgrad): ((the forward's codes of w_gate, w_up, w_down), (W_down^T,
+    [W_gate^T | W_up^T])) in block-scaled e4m3 (each weight [planes, rows, cols], or one plane, the
+    shared expert's), cached per version as the forward's codes are."""
+    return _cached_fp8("dgrad", (w_gate, w_up, w_down), lambda out: kernels.quantize_for_dgrad(
+        _planes(w_gate), _planes(w_up), _planes(w_down), out=out))
+
+
+def _fp8_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, fp8_dgrad: bool) -> tuple[Any, Any, Any]:
+    """The forward's codes of the three weights: at fp8_dgrad from the pass that also writes the
+    transposes its backward needs."""
+    if fp8_dgrad:
+        return _fp8_dgrad_operands(w_gate, w_up, w_down)[0]
+    return _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down)
+
+
 def _fp8_transposes(w_gate: Tensor, w_up: Tensor, w_down: Tensor
                     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """fp8_dgrad's weight operands (kernels.quantize_transposed): W_down^T and [W_gate^T | W_up^T]
-    in block-scaled e4m3 (each weight [planes, rows, cols], or one plane, the shared expert's),
-    cached per version as the forward's codes are."""
-    down_t = _cached_fp8("down_t", (w_down,), lambda out: kernels.quantize_transposed(_planes(w_down), out=out))
-    gate_up_t = _cached_fp8("gate_up_t", (w_gate, w_up), lambda out: kernels.quantize_transposed(
-        w_gate=_planes(w_gate), w_up=_planes(w_up), out=out))
-    return down_t, gate_up_t
+    """fp8_dgrad's weight transposes, W_down^T and [W_gate^T | W_up^T] (from _fp8_dgrad_operands:
+    usually cached by the forward)."""
+    return _fp8_dgrad_operands(w_gate, w_up, w_down)[1]
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -492,6 +508,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
             y_shared = None
             if s_gate is not None and s_up is not None and s_down is not None:
                 _, y_shared = _shared_expert_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False,
-                                                     fp8=fp8)
+                                                     fp8=fp8, fp8_dgrad=ws.fused.fp8_dgrad)
             return _run_forward(ws, *args, y_shared, None)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)

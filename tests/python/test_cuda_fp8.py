@@ -145,18 +145,37 @@ def test_fp8_layer_matches_torch_on_the_dequantized_operands(limit: float | None
     assert 0.01 < testing.relative_error(y.float(), bf16.float()) < 0.15  # e4m3's 3 mantissa bits
 
 
-def test_fp8_layer_requantizes_a_changed_weight() -> None:
-    """The fp8 weights are cached per weight version: doubling w_down in place (exact in e4m3 with
-    power-of-two scales) doubles y exactly."""
+@pytest.mark.parametrize("precision", ["fp8", "fp8_dgrad"])
+def test_fp8_layer_requantizes_a_changed_weight(precision: str) -> None:
+    """The fp8 weight operands are cached per weight version (at fp8_dgrad the codes and the
+    transposes, from one pass): doubling w_down in place (exact in e4m3 with power-of-two scales)
+    doubles y exactly, without autograd and in training, and dx with it (through W_down^T at
+    fp8_dgrad)."""
     import mok
 
     p = testing.random_problem(200, 4, 256, 128, 2, seed=12, device="cuda")
-    cfg = mok.MoeConfig(precision="fp8")
+    cfg = mok.MoeConfig(precision=precision)
     with torch.no_grad():
         y = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
         p.w_down.mul_(2)
         doubled = mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
     assert torch.equal(doubled, y * 2)
+    x = p.x.detach().clone().requires_grad_(True)
+    dy = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(y.dtype)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        out = mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=cfg)
+        out.backward(dy)
+        assert x.grad is not None
+        return out.detach(), x.grad.clone()
+
+    y1, dx1 = step()
+    with torch.no_grad():
+        p.w_down.mul_(2)
+    y2, dx2 = step()
+    assert torch.equal(y2, y1 * 2)
+    assert torch.equal(dx2, dx1 * 2)
 
 
 def _through(value: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
@@ -341,7 +360,8 @@ def test_fp8_dgrad_training_matches_the_cpp_oracle_on_one_rank(save_context: boo
 
 def test_fp8_dgrad_transposes_are_the_forward_codes_moved() -> None:
     """kernels.quantize_transposed: W_down^T's codes and scales are quantize_weights' of W_down,
-    transposed per plane; [W_gate^T | W_up^T] the two side by side. Bad shapes are refused by name."""
+    transposed per plane; [W_gate^T | W_up^T] the two side by side; kernels.quantize_for_dgrad gives
+    both layouts from one pass. Bad shapes are refused by name."""
     g = torch.Generator("cuda").manual_seed(5)
     wg, wu, wd = (torch.randn(3, r, c, device="cuda", generator=g).to(torch.bfloat16)
                   for r, c in ((256, 384), (256, 384), (384, 256)))
@@ -355,6 +375,29 @@ def test_fp8_dgrad_transposes_are_the_forward_codes_moved() -> None:
         assert torch.equal(gu_codes.view(torch.uint8)[:, :, half * 256:(half + 1) * 256],
                            c.view(torch.uint8).transpose(1, 2))
         assert torch.equal(gu_scales[:, :, half * 2:(half + 1) * 2], s.transpose(1, 2))
+    # All of fp8_dgrad's operands in one pass over each weight: the same codes, scales and
+    # transposes, into poisoned buffers and into fresh ones.
+    fresh = _cuda_kernels.quantize_for_dgrad(wg, wu, wd)
+
+    def poison(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # NaN codes and scales
+        return (torch.full(q[0].shape, 0xFF, dtype=torch.uint8, device=q[0].device).view(torch.float8_e4m3fn),
+                torch.full_like(q[1], float("nan")))
+
+    poisoned = tuple(poison(q) for q in fresh[0]), tuple(poison(q) for q in fresh[1])
+    into = _cuda_kernels.quantize_for_dgrad(wg, wu, wd, out=poisoned)
+    assert into[0][0][0] is poisoned[0][0][0] and into[1][1][1] is poisoned[1][1][1]
+    for got in (fresh, into):
+        for w, (c, s) in zip((wg, wu, wd), got[0]):
+            want_c, want_s = _cuda_kernels.quantize_weights(w)
+            assert torch.equal(c.view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(s, want_s)
+        assert torch.equal(got[1][0][0].view(torch.uint8), t_codes.view(torch.uint8))
+        assert torch.equal(got[1][0][1], t_scales)
+        assert torch.equal(got[1][1][0].view(torch.uint8), gu_codes.view(torch.uint8))
+        assert torch.equal(got[1][1][1], gu_scales)
+    with pytest.raises(ValueError, match="w_up must be .* multiples of 128"):
+        _cuda_kernels.quantize_for_dgrad(wg, wu[:, :200].contiguous(), wd)
+    with pytest.raises(ValueError, match="w_gate's codes"):
+        _cuda_kernels.quantize_transposed(w_gate=wg, w_up=wu, plain=((fresh[0][2]), fresh[0][1]))
     with pytest.raises(ValueError, match="give w_down alone, or w_gate and w_up"):
         _cuda_kernels.quantize_transposed(wd, w_gate=wg, w_up=wu)
     with pytest.raises(ValueError, match="multiples of 128"):
