@@ -77,8 +77,12 @@ class MoeConfig:
     through); with save_context=False the backward pulls the rows again, quantizes them and reruns
     the fp8 gate|up (the same bits as a kept context). "fp8_dgrad": fp8's forward, and the
     backward's two data-gradient GEMMs (dh = dy W_down, dx = [dg|du] [W_gate; W_up]) on block-scaled
-    e4m3 too (dy and dg|du quantized 1 x 128, the weights' transposes 128 x 128, cached per weight
-    version like the forward's codes); the weight gradients stay bf16 GEMMs. Its backward runs as
+    e4m3 too (dy and dg|du quantized 1 x 128, the weights' transposes 128 x 128, written in the pass
+    that makes the forward's codes and cached with them per weight version); the weight gradients
+    stay bf16 GEMMs. In training the weights change at every step, so every step quantizes them:
+    fp8 and fp8_dgrad pay off with large experts (on one H200, fp8_dgrad trained Kimi K2's and
+    Mixtral's shapes 1.06-1.08x faster than bf16) and not with small ones (Qwen3-30B-A3B: level
+    with bf16; bench/results/2026-12-01-h200-session25). Its backward runs as
     stage kernels (the backward megakernel is bf16; fused_backward does not apply). A training call's
     ring holds every row (ring_rows then changes nothing; no_grad calls run in the planned ring).
     In a CUDA graph, the weights' quantization is captured too (after the warm-up call).
