@@ -129,6 +129,19 @@ struct TransposedTarget {
   int64_t ld_t, offset_t;
 };
 
+// The scale exponent of a CTA's block from each thread's partial amax (every thread gets it): a
+// warp's shuffles, then the warps' maxima through warp_max (shared, kBlockThreads / 32 floats).
+__device__ __forceinline__ int cta_scale_exponent(float amax, float* warp_max) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  return fp8_scale_exponent(amax);
+}
+
 __global__ void __launch_bounds__(kBlockThreads)
     quantize_blocks_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols, int64_t row_blocks,
                            int64_t col_blocks, uint8_t* __restrict__ codes, float* __restrict__ scales,
@@ -154,14 +167,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     v[i] = in_cols && i < rows_here ? __bfloat162float(x[first + int64_t(i) * kRowStep * cols]) : 0.0f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  const int e = fp8_scale_exponent(amax);
+  const int e = cta_scale_exponent(amax, warp_max);
   if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
@@ -229,14 +235,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  const int e = fp8_scale_exponent(amax);
+  const int e = cta_scale_exponent(amax, warp_max);
   if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
