@@ -15,8 +15,9 @@
 namespace mok::cuda {
 namespace {
 
+using detail::bf16x8_amax;
+using detail::bf16x8_codes;
 using detail::fp8_code;
-using detail::fp8_code2;
 using detail::fp8_scale_exponent;
 
 constexpr int kBlock = 128;                 // columns a scale covers (mok/core/fp8.h: kBlock)
@@ -90,14 +91,7 @@ __global__ void __launch_bounds__(kVecThreads)
         if (p0 + u >= pairs) break;
         const int cb = 2 * (p0 + u) + half;
         const int64_t c0 = int64_t(cb) * kBlock + sub * kVecCols;
-        const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-        float2 v[kVecCols / 2];
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kVecCols / 2; ++i) {
-          v[i] = __bfloat1622float2(two[i]);
-          amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-        }
+        float amax = bf16x8_amax(raw[u], 0.0f);
 #pragma unroll
         for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
           amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
@@ -105,12 +99,7 @@ __global__ void __launch_bounds__(kVecThreads)
         const int e = fp8_scale_exponent(amax);
         if (sub == 0) scales[k_major ? cb * rows + row : row * col_blocks + cb] = ldexpf(1.0f, e);
         if (c0 >= cols) continue;
-        const float inv = ldexpf(1.0f, -e);
-        uint32_t packed[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          packed[i] = uint32_t(fp8_code2(v[2 * i], inv)) | uint32_t(fp8_code2(v[2 * i + 1], inv)) << 16;
-        *reinterpret_cast<uint2*>(cr + c0) = make_uint2(packed[0], packed[1]);
+        *reinterpret_cast<uint2*>(cr + c0) = bf16x8_codes(raw[u], ldexpf(1.0f, -e));
       }
     }
   }
@@ -227,31 +216,19 @@ __global__ void __launch_bounds__(kBlockThreads)
                                       : make_uint4(0, 0, 0, 0);
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kVecRows; ++i) {
-    const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-#pragma unroll
-    for (int k = 0; k < kVecCols / 2; ++k) {
-      const float2 v = __bfloat1622float2(two[k]);
-      amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
-    }
-  }
+  for (int i = 0; i < kVecRows; ++i) amax = bf16x8_amax(raw[i], amax);
   const int e = cta_scale_exponent(amax, warp_max);
   if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) {
-    const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-    uint32_t packed[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-      packed[k] = uint32_t(fp8_code2(__bfloat1622float2(two[2 * k]), inv)) |
-                  uint32_t(fp8_code2(__bfloat1622float2(two[2 * k + 1]), inv)) << 16;
+    const uint2 packed = bf16x8_codes(raw[i], inv);
     if (in_cols && i < rows_here && codes != nullptr)
-      *reinterpret_cast<uint2*>(codes + first + int64_t(i) * kVecRowStep * cols) = make_uint2(packed[0], packed[1]);
+      *reinterpret_cast<uint2*>(codes + first + int64_t(i) * kVecRowStep * cols) = packed;
     if (t.codes_t != nullptr) {
       const int row = r + i * kVecRowStep;
-      tile[swizzled_word(row, 2 * sub)] = packed[0];
-      tile[swizzled_word(row, 2 * sub + 1)] = packed[1];
+      tile[swizzled_word(row, 2 * sub)] = packed.x;
+      tile[swizzled_word(row, 2 * sub + 1)] = packed.y;
     }
   }
   if (t.codes_t == nullptr) return;

@@ -490,14 +490,7 @@ struct SwiGluBackwardEpilogueOf {
     CUTE_UNROLL
     for (int r = 0; r < kCols / 64; ++r)
       CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) {
-        const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&x[r][q]);
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(two[i]);
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
-      }
+      for (int q = 0; q < 4; ++q) amax = bf16x8_amax(x[r][q], amax);
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     const int e = fp8_scale_exponent(amax);
     const int64_t block = (plane_offset + int64_t(n_block) * kCols) / 128;
@@ -508,16 +501,8 @@ struct SwiGluBackwardEpilogueOf {
     for (int r = 0; r < kCols / 64; ++r)
       CUTE_UNROLL
       for (int b = 0; b < 2; ++b) {
-        uint32_t packed[4];
-        CUTE_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&x[r][2 * b + v]);
-          CUTE_UNROLL
-          for (int i = 0; i < 2; ++i)
-            packed[2 * v + i] = uint32_t(fp8_code2(__bfloat1622float2(two[2 * i]), inv)) |
-                                uint32_t(fp8_code2(__bfloat1622float2(two[2 * i + 1]), inv)) << 16;
-        }
-        *reinterpret_cast<uint4*>(codes + 64 * r + 32 * b) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        const uint2 lo = bf16x8_codes(x[r][2 * b], inv), hi = bf16x8_codes(x[r][2 * b + 1], inv);
+        *reinterpret_cast<uint4*>(codes + 64 * r + 32 * b) = make_uint4(lo.x, lo.y, hi.x, hi.y);
       }
   }
 };

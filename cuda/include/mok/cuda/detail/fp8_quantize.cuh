@@ -3,6 +3,7 @@
 // (mok/core/fp8.h: block_scale and the quotient's conversion), bit for bit.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -29,6 +30,29 @@ __device__ __forceinline__ uint8_t fp8_code(float v, float inv) {
 // the low byte.
 __device__ __forceinline__ uint16_t fp8_code2(float2 v, float inv) {
   return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v.x, inv), __fmul_rn(v.y, inv)), __NV_SATFINITE, __NV_E4M3);
+}
+
+// 8 bf16 values, one 16-byte vector (value i in bytes 2i, 2i + 1), as the quantizers load them:
+// the larger of amax and their largest magnitude.
+__device__ __forceinline__ float bf16x8_amax(const uint4& v, float amax) {
+  const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(two[i]);
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return amax;
+}
+
+// Their 8 codes at scale 2^e (inv = 2^-e, fp8_code each), value i in byte i.
+__device__ __forceinline__ uint2 bf16x8_codes(const uint4& v, float inv) {
+  const __nv_bfloat162* two = reinterpret_cast<const __nv_bfloat162*>(&v);
+  uint32_t packed[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    packed[i] = uint32_t(fp8_code2(__bfloat1622float2(two[2 * i]), inv)) |
+                uint32_t(fp8_code2(__bfloat1622float2(two[2 * i + 1]), inv)) << 16;
+  return make_uint2(packed[0], packed[1]);
 }
 
 }  // namespace mok::cuda::detail

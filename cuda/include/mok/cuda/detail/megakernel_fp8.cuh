@@ -98,26 +98,18 @@ __device__ __forceinline__ void quantize_hidden_pair(const MegaFp8ForwardParams&
   uint4 raw[8];
   CUTE_UNROLL
   for (int j = 0; j < 8; ++j) raw[j] = __ldcg(src + j);
-  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(raw);
   float amax = 0.0f;
   CUTE_UNROLL
-  for (int j = 0; j < 32; ++j) {
-    const float2 v = __bfloat1622float2(h2[j]);
-    amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
-  }
+  for (int j = 0; j < 8; ++j) amax = bf16x8_amax(raw[j], amax);
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   const int e = fp8_scale_exponent(amax);
   const float inv = ldexpf(1.0f, -e);
-  uint32_t packed[16];
-  CUTE_UNROLL
-  for (int j = 0; j < 16; ++j) {
-    const float2 lo = __bfloat1622float2(h2[2 * j]), hi = __bfloat1622float2(h2[2 * j + 1]);
-    packed[j] = uint32_t(fp8_code(lo.x, inv)) | uint32_t(fp8_code(lo.y, inv)) << 8 |
-                uint32_t(fp8_code(hi.x, inv)) << 16 | uint32_t(fp8_code(hi.y, inv)) << 24;
-  }
   uint4* dst = reinterpret_cast<uint4*>(p.ring_h_codes + row * p.intermediate + col);
   CUTE_UNROLL
-  for (int j = 0; j < 4; ++j) dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
+  for (int j = 0; j < 4; ++j) {
+    const uint2 lo = bf16x8_codes(raw[2 * j], inv), hi = bf16x8_codes(raw[2 * j + 1], inv);
+    dst[j] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  }
   if (thread % 2 == 0) p.ring_h_scales[int64_t(pair) * p.ring_rows + row] = ldexpf(1.0f, e);
   consumers_sync();  // every thread's codes and scales are written
   if (thread == 0) {
