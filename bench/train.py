@@ -274,12 +274,13 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
             t = torch.tensor(times[impl] + [float(peaks[impl])], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             times[impl], peaks[impl] = t[:-1].tolist(), int(t[-1].item())
-    if args.profile:  # one more step of each copy under the profiler: where its time goes
+    if args.profile:  # one more step of each copy under the profiler (every rank: collectives), rank 0 prints
         tokens = batches[0]
         for impl in IMPLS:
-            print(f"### {p.name}, {impl} ({args.precision if impl == 'mok' else 'bf16'}): one step's top "
-                  f"{args.profile} kernels by self time\n" + profile_step(models[impl], optims[impl], tokens, group,
-                                                                        device, args.profile), flush=True)
+            table = profile_step(models[impl], optims[impl], tokens, group, device, args.profile)
+            if rank == 0:
+                print(f"### {p.name}, {impl} ({args.precision if impl == 'mok' else 'bf16'}): one step's top "
+                      f"{args.profile} entries by self time\n" + table, flush=True)
     median = {impl: statistics.median(times[impl]) for impl in IMPLS}
     rows = []
     for impl in IMPLS:
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 layers, 64 tokens, 2 steps (CPU plumbing)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="after the timing, profile one more step of each copy and print its top N kernels")
+                    help="after the timing, profile one more step of each copy and print its top N entries")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

@@ -366,7 +366,7 @@ int64_t mok_cuda_fp8_dgrad_scratch_bytes(int64_t row_capacity, int64_t hidden, i
 
 // W [planes, rows, cols] bf16 -> W^T's e4m3 codes [planes, cols, ld_t] at column offset_t and
 // their scales [planes, cols / 128, ld_t / 128], and in the same pass, where codes and scales are
-// not null, W's own codes [planes, rows, cols] and scales [planes, rows / 128, cols / 128]
+// not null, W's own codes [planes, rows, cols] and scales [planes, ceil(rows / 128), ceil(cols / 128)]
 // (mok::cuda::quantize_blocks_e4m3_transposed).
 int mok_cuda_quantize_blocks_e4m3_transposed(const void* x, int64_t planes, int64_t rows, int64_t cols, void* codes,
                                              void* scales, void* codes_t, void* scales_t, int64_t ld_t,

@@ -252,7 +252,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// quantize_blocks_kernel or, where its conditions hold, quantize_blocks_vec_kernel.
+// quantize_blocks_kernel or, where its conditions hold, quantize_blocks_vec_kernel. The callers
+// have checked the shapes, and t's ld_t and offset_t (multiples of 128, which keeps codes_t's
+// 4-byte stores aligned).
 void launch_quantize_blocks(const void* x, int64_t rows, int64_t cols, int64_t row_blocks, int64_t col_blocks,
                             int64_t blocks, uint8_t* codes, float* scales, TransposedTarget t, cudaStream_t stream) {
   const auto aligned = [](const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; };

@@ -443,6 +443,85 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
   }
 }
 
+// The block quantizer's two forms at the edges of the vectorized form's conditions (with
+// transposes rows % 4 == 0; cols % 8 == 0; codes 8-byte aligned) and at small partial blocks:
+// every case gives the oracle's codes, scales and transposes, with and without the transposes,
+// and writes nothing past them (poisoned margins stay).
+TEST(Precision, Fp8QuantizedWeightsAtTheVectorFormsEdgesEqualTheOracle) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  struct Case {
+    int64_t rows, cols;
+    int codes_offset;  // bytes into the codes buffer: 1 makes the codes 1-byte aligned
+  };
+  const int64_t planes = 2, margin = 64;
+  for (const Case c : {Case{302, 1104, 0}, Case{300, 1100, 0}, Case{300, 1104, 1}, Case{4, 8, 0}, Case{132, 136, 0}}) {
+    SCOPED_TRACE(std::to_string(c.rows) + " x " + std::to_string(c.cols) + ", codes at +" +
+                 std::to_string(c.codes_offset));
+    const int64_t rows = c.rows, cols = c.cols, n = planes * rows * cols;
+    const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+    const int64_t ld_t = row_blocks * 128, blocks_t = ld_t / 128;
+    Rng rng(uint64_t(rows * 7919 + cols));
+    const std::vector<float> w = test::random_bf16(rng, n);
+    std::vector<fp8::Quantized> want, want_t;
+    for (int64_t p = 0; p < planes; ++p) {
+      want.push_back(fp8::quantize_weights(w.data() + p * rows * cols, rows, cols));
+      want_t.push_back(fp8::transpose(want.back()));
+    }
+    DeviceBuffer<uint16_t> dw(static_cast<size_t>(n));
+    DeviceBuffer<uint8_t> dcodes(size_t(n + c.codes_offset + margin));
+    DeviceBuffer<float> dscales(size_t(planes * row_blocks * col_blocks));
+    DeviceBuffer<uint8_t> dcodes_t(size_t(planes * cols * ld_t + margin));
+    DeviceBuffer<float> dscales_t(size_t(planes * col_blocks * blocks_t));
+    ASSERT_NE(dw.ptr, nullptr);
+    dw.upload(test::to_bits(w));
+    for (const bool transposes : {false, true}) {
+      SCOPED_TRACE(transposes ? "with the transposes" : "the codes alone");
+      dcodes.poison(0xaa);
+      dscales.poison();
+      dcodes_t.poison(0xaa);
+      dscales_t.poison();
+      if (transposes)
+        cuda::quantize_blocks_e4m3_transposed(dw.ptr, planes, rows, cols, dcodes.ptr + c.codes_offset, dscales.ptr,
+                                              dcodes_t.ptr, dscales_t.ptr, ld_t, 0, nullptr);
+      else
+        cuda::quantize_blocks_e4m3(dw.ptr, planes, rows, cols, dcodes.ptr + c.codes_offset, dscales.ptr, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> codes = dcodes.download(), codes_t = dcodes_t.download();
+      const std::vector<float> scales = dscales.download(), scales_t = dscales_t.download();
+      for (int64_t i = 0; i < int64_t(codes.size()); ++i) {
+        const int64_t at = i - c.codes_offset, p = at / (rows * cols);
+        if (at < 0 || at >= n)
+          ASSERT_EQ(codes[size_t(i)], 0xaa) << "written outside the codes at byte " << i;
+        else
+          ASSERT_EQ(codes[size_t(i)], want[size_t(p)].codes[size_t(at % (rows * cols))]) << "code " << at;
+      }
+      for (int64_t p = 0; p < planes; ++p)
+        for (int64_t b = 0; b < row_blocks * col_blocks; ++b)
+          ASSERT_EQ(scales[size_t(p * row_blocks * col_blocks + b)], want[size_t(p)].scales[size_t(b)])
+              << "plane " << p << " block " << b;
+      if (!transposes) {
+        for (const uint8_t byte : codes_t) ASSERT_EQ(byte, 0xaa) << "transposes written without being asked";
+        continue;
+      }
+      for (int64_t i = 0; i < int64_t(codes_t.size()); ++i) {
+        const int64_t p = i / (cols * ld_t), row = i / ld_t % cols, col = i % ld_t;
+        if (p >= planes || col >= rows)
+          ASSERT_EQ(codes_t[size_t(i)], 0xaa) << "written past the plane's rows: byte " << i;
+        else
+          ASSERT_EQ(codes_t[size_t(i)], want_t[size_t(p)].codes[size_t(row * rows + col)])
+              << "plane " << p << " W^T row " << row << " column " << col;
+      }
+      for (int64_t p = 0; p < planes; ++p)
+        for (int64_t cb = 0; cb < col_blocks; ++cb)
+          for (int64_t rb = 0; rb < row_blocks; ++rb)
+            ASSERT_EQ(scales_t[size_t((p * col_blocks + cb) * blocks_t + rb)],
+                      want_t[size_t(p)].scales[size_t(cb * row_blocks + rb)])
+                << "plane " << p << " W^T block " << cb << "," << rb;
+    }
+  }
+}
+
 // The experts' fp8 forward (experts_forward_fp8) against its CPU oracle (reference.h:
 // experts_forward_fp8) on fresh random bf16 inputs quantized on the GPU: g|u, h and y within a
 // tolerance (the tensor cores' sum within a k-block is not the oracle's exact one), h_codes and

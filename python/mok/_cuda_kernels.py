@@ -378,12 +378,18 @@ def quantize_for_dgrad(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.T
                        ) -> tuple[tuple[Quantized, Quantized, Quantized], tuple[Quantized, Quantized]]:
     """All of precision fp8_dgrad's weight operands, each weight read once: ((codes, scales) of w_gate,
     w_up and w_down as :func:`quantize_weights` gives them, (W_down^T, [W_gate^T | W_up^T]) as
-    :func:`quantize_transposed` gives them). Into ``out`` (the same nesting) when given, which it
-    returns."""
+    :func:`quantize_transposed` gives them). Into ``out`` (the same nesting) when given: the
+    result holds its tensors."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if w.dim() != 3 or w.shape[1] % 128 or w.shape[2] % 128:
             raise ValueError(f"{name} must be [planes, rows, cols] with rows and columns multiples of 128, got "
                              f"shape {tuple(w.shape)}")
+    El, I, H = w_gate.shape
+    if tuple(w_down.shape) != (El, H, I):
+        raise ValueError(f"w_down must be [El, H, I] = {(El, H, I)} beside w_gate {tuple(w_gate.shape)}, got "
+                         f"{tuple(w_down.shape)}")
+    if out is not None and (len(out) != 2 or len(out[0]) != 3 or len(out[1]) != 2):
+        raise ValueError("out must be ((codes, scales) x 3 weights, (codes, scales) x 2 transposes)")
     if out is None:
         plain = tuple((torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
                        torch.empty(w.shape[0], w.shape[1] // 128, w.shape[2] // 128, dtype=torch.float32,

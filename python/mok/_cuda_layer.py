@@ -197,9 +197,10 @@ def _bf16(w: Tensor) -> Tensor:
 
 
 def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
-                 w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None) -> Tensor:
+                 w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None,
+                 fp8_codes: tuple[Any, Any, Any] | None = None) -> Tensor:
     """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel (at fp8
-    the call quantizes x, and the weights come from the per-version cache). With a context it also
+    the call quantizes x; the weights' codes are ``fp8_codes``, from _fp8_operands). With a context it also
     keeps what its backward needs (the rows, h and g|u; at fp8 h and g|u; the g|u save costs
     time); without one it keeps nothing."""
     ws.x.copy_(x)
@@ -208,8 +209,8 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     y_shared = None if y_shared is None else y_shared.contiguous()
     if ws.fused.fp8:
-        ws.fused.run_fp8(ws.bases, *_fp8_weights(w_gate, w_up, w_down, ws.fused.fp8_dgrad), y, y_shared=y_shared,
-                         context=context)
+        assert fp8_codes is not None
+        ws.fused.run_fp8(ws.bases, *fp8_codes, y, y_shared=y_shared, context=context)
     else:
         ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y, y_shared=y_shared, context=context)
     return y
@@ -238,15 +239,22 @@ class _FusedMoe(torch.autograd.Function):
         fp8 = ws.fused.fp8
         context = ws.fused.new_context(x.device, replay=not save_context)
         shared = s_gate is not None and s_up is not None and s_down is not None
+        # The weights' e4m3 operands, for the forward and kept for the backward (a weight changed in
+        # place in between fails autograd's saved-tensor check, so they stay the weights'; inside a
+        # CUDA graph the forward's captured quantization is the one the backward reads).
+        precision = "fp8_dgrad" if ws.fused.fp8_dgrad else "fp8"
+        operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
+        shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
         y_shared = None
         kept: tuple[Tensor | None, ...] = (None, None, None)
         if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8=fp8,
-                                                    fp8_dgrad=ws.fused.fp8_dgrad)
+            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit,
+                                                    fp8_codes=shared_operands[0])
             assert rows is not None
             kept = rows
-        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context)
+        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context, operands[0])
         ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
+        ctx.fp8_operands, ctx.shared_fp8_operands = operands, shared_operands
         # x only where the backward reads it: the replay and the fp8 backward pull it again, the
         # shared expert's rows hold it.
         ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None, s_gate, s_up,
@@ -279,7 +287,7 @@ class _FusedMoe(torch.autograd.Function):
         if ctx.has_shared:
             dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
                                                         ctx.swiglu_limit,  # type: ignore[arg-type]
-                                                        fp8_dgrad=ws.fused.fp8_dgrad)
+                                                        transposes=ctx.shared_fp8_operands[1])
             shared_grads = tuple(grads)
         if replay or ws.fused.fp8:  # every rank's x is pulled again
             ws.x.copy_(x)
@@ -293,8 +301,8 @@ class _FusedMoe(torch.autograd.Function):
         d_gate = torch.empty(El, I, H, dtype=grad, device=device)
         d_up = torch.empty(El, I, H, dtype=grad, device=device)
         d_down = torch.empty(El, H, I, dtype=grad, device=device)
-        fp8_gate_up = _fp8_weights(w_gate, w_up, w_down, ws.fused.fp8_dgrad)[:2] if ws.fused.fp8 and replay else None
-        transposes = _fp8_transposes(w_gate, w_up, w_down) if ws.fused.fp8_dgrad else None
+        fp8_gate_up = ctx.fp8_operands[0][:2] if ws.fused.fp8 and replay else None
+        transposes = ctx.fp8_operands[1]  # fp8_dgrad's (None at the other precisions)
         ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
                           d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
                           dx_shared=dx_shared, fp8_gate_up=fp8_gate_up, fp8_transposes=transposes)
@@ -337,13 +345,12 @@ def _shared_weights(s_gate: Tensor, s_up: Tensor, s_down: Tensor) -> tuple[Tenso
 
 
 def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tensor, swiglu_limit: float | None,
-                           keep: bool = True, fp8: bool = False,
-                           fp8_dgrad: bool = False) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
+                           keep: bool = True, fp8_codes: tuple[Any, Any, Any] | None = None
+                           ) -> tuple[tuple[Tensor, Tensor, Tensor] | None, Tensor]:
     """The shared expert on MoK's expert kernels (one expert, every token a row; gate|up with the
-    fused SwiGLU, then down; with ``fp8`` on block-scaled e4m3, experts_forward_fp8, as the routed
-    experts of an fp8 call; with ``fp8_dgrad`` too, the weights' codes come from the pass that also
-    writes their transposes): (x rows in bf16, g|u, h) kept for _shared_expert_backward when
-    ``keep``, and y_shared."""
+    fused SwiGLU, then down; given the weights' ``fp8_codes`` (_fp8_operands), on block-scaled
+    e4m3, experts_forward_fp8, as the routed experts of an fp8 call): (x rows in bf16, g|u, h) kept
+    for _shared_expert_backward when ``keep``, and y_shared."""
     T, H = x.shape
     offsets, weight = _shared_rows(T, x.device)
     rows = weight.shape[0]  # T rounded up to the row alignment, as _shared_rows made them
@@ -352,12 +359,11 @@ def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tens
     h = torch.empty(rows, Is, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
     gu = torch.empty(rows, 2 * Is, dtype=torch.bfloat16, device=x.device) if keep else None
-    if fp8:
+    if fp8_codes is not None:
         h_codes = (torch.empty(rows, Is, dtype=torch.float8_e4m3fn, device=x.device),
                    torch.empty(Is // 128, rows, dtype=torch.float32, device=x.device))
-        weights = _fp8_weights(s_gate, s_up, s_down, fp8_dgrad)
-        kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, *weights, h=h, y=y, h_codes=h_codes, gu=gu,
-                                    swiglu_limit=swiglu_limit)
+        kernels.experts_forward_fp8(kernels.quantize_rows(x_rows), offsets, *fp8_codes, h=h, y=y, h_codes=h_codes,
+                                    gu=gu, swiglu_limit=swiglu_limit)
     else:
         kernels.experts_forward(x_rows, offsets, *_shared_weights(s_gate, s_up, s_down), h=h, y=y, gu=gu,
                                 swiglu_limit=swiglu_limit)
@@ -366,7 +372,7 @@ def _shared_expert_forward(x: Tensor, s_gate: Tensor, s_up: Tensor, s_down: Tens
 
 def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor, s_up: Tensor, s_down: Tensor,
                             dy: Tensor, swiglu_limit: float | None,
-                            fp8_dgrad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            transposes: tuple[Any, Any] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx, d s_gate, d s_up, d s_down of the shared expert on MoK's expert kernels (the dh GEMM with
     the fused SwiGLU backward, dx, the weight gradients; fixed reduction order; with ``fp8_dgrad``
     dh and dx on block-scaled e4m3, as the routed experts'). The weight gradients in the weights'
@@ -385,9 +391,9 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
     d_up = torch.empty(1, Is, H, dtype=grad, device=dy.device)
     d_down = torch.empty(1, H, Is, dtype=grad, device=dy.device)
     scratch = kernels.BackwardScratch(rows, Is, dy.device)
-    if fp8_dgrad:
+    if transposes is not None:
         kernels.experts_backward_fp8_dgrad(x_rows, offsets, gu, h, _padded(dy, rows), weight,
-                                           *_fp8_transposes(s_gate, s_up, s_down), dx=dx, d_row_weight=d_weight,
+                                           *transposes, dx=dx, d_row_weight=d_weight,
                                            d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, scratch=scratch,
                                            dgrad_scratch=kernels.fp8_dgrad_scratch(rows, H, Is, dy.device),
                                            swiglu_limit=swiglu_limit)
@@ -428,10 +434,9 @@ def _cached_fp8(kind: str, weights: tuple[Tensor, ...], quantize: Any) -> Any:
         old[:3] == new[:3] for old, new in zip(cached[1], stamps))
     if torch.cuda.is_current_stream_capturing():
         if cached is None or not same_tensors:
-            made_by = "first forward"
-            raise RuntimeError(f"mok: an fp8 layer quantizes its weights into buffers made by the call that first "
-                               f"needs them, here the {made_by}, which cannot run inside a CUDA graph capture: run "
-                               "one training step with these weights before capturing")
+            raise RuntimeError("mok: an fp8 layer quantizes its weights into buffers made by its first forward, "
+                               "which cannot run inside a CUDA graph capture: run one training step with these "
+                               "weights before capturing")
         _FP8_IN_GRAPHS[key] = cached[2]
         return quantize(cached[2])
     if key in _FP8_IN_GRAPHS:  # a graph owns the cached buffers: fresh codes, not cached
@@ -463,19 +468,13 @@ def _fp8_dgrad_operands(w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Any:
         _planes(w_gate), _planes(w_up), _planes(w_down), out=out))
 
 
-def _fp8_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, fp8_dgrad: bool) -> tuple[Any, Any, Any]:
-    """The forward's codes of the three weights: at fp8_dgrad from the pass that also writes the
-    transposes its backward needs."""
-    if fp8_dgrad:
-        return _fp8_dgrad_operands(w_gate, w_up, w_down)[0]
-    return _fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down)
-
-
-def _fp8_transposes(w_gate: Tensor, w_up: Tensor, w_down: Tensor
-                    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """fp8_dgrad's weight transposes, W_down^T and [W_gate^T | W_up^T] (from _fp8_dgrad_operands:
-    usually cached by the forward)."""
-    return _fp8_dgrad_operands(w_gate, w_up, w_down)[1]
+def _fp8_operands(w_gate: Tensor, w_up: Tensor, w_down: Tensor, precision: str) -> tuple[Any, Any]:
+    """A layer's (or the shared expert's) e4m3 weight operands at ``precision``, cached per version:
+    at "fp8" (the three weights' codes, None), each weight's own entry; at "fp8_dgrad"
+    _fp8_dgrad_operands (the codes and the backward's transposes, from one pass)."""
+    if precision == "fp8_dgrad":
+        return _fp8_dgrad_operands(w_gate, w_up, w_down)
+    return (_fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down)), None
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -504,10 +503,12 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, training)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
-        if not training:
+        if not training:  # (at fp8_dgrad the training calls' operands: one cache entry for both kinds of call)
             y_shared = None
             if s_gate is not None and s_up is not None and s_down is not None:
+                shared_codes = _fp8_operands(s_gate, s_up, s_down, precision)[0] if fp8 else None
                 _, y_shared = _shared_expert_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False,
-                                                     fp8=fp8, fp8_dgrad=ws.fused.fp8_dgrad)
-            return _run_forward(ws, *args, y_shared, None)
+                                                     fp8_codes=shared_codes)
+            codes = _fp8_operands(w_gate, w_up, w_down, precision)[0] if fp8 else None
+            return _run_forward(ws, *args, y_shared, None, codes)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)

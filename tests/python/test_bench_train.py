@@ -38,8 +38,8 @@ def test_profile_prints_each_copys_top_entries(capsys: pytest.CaptureFixture[str
     forward and backward among the smoke model's on the CPU); the timed rows are unchanged in form."""
     rows = train.main(["--smoke", "--device", "cpu", "--profile", "4"])
     printed = capsys.readouterr().out
-    assert "### tiny, mok (bf16): one step's top 4 kernels by self time" in printed
-    assert "### tiny, torch (bf16): one step's top 4 kernels by self time" in printed
+    assert "### tiny, mok (bf16): one step's top 4 entries by self time" in printed
+    assert "### tiny, torch (bf16): one step's top 4 entries by self time" in printed
     mok_table = printed.split("### tiny, mok")[1].split("### tiny, torch")[0]
     assert "mok::" in mok_table  # the layer's own ops are what the smoke step spends most in
     assert [r.impl for r in rows] == ["mok", "torch"]

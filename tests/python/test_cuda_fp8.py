@@ -176,6 +176,12 @@ def test_fp8_layer_requantizes_a_changed_weight(precision: str) -> None:
     y2, dx2 = step()
     assert torch.equal(y2, y1 * 2)
     assert torch.equal(dx2, dx1 * 2)
+    # One cache entry kind per precision, for no_grad and training calls alike: at fp8_dgrad the
+    # weights' codes come only from the pass that writes the transposes too.
+    from mok import _cuda_layer
+
+    kinds = {key[0] for key in _cuda_layer._FP8_WEIGHTS if id(p.w_down) in key[1:]}
+    assert kinds == ({"dgrad"} if precision == "fp8_dgrad" else {"codes"})
 
 
 def _through(value: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
