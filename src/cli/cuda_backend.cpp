@@ -174,6 +174,24 @@ void staged_experts_fp8(int64_t rows, int64_t H, int64_t I, int64_t experts, con
   cuda::experts_forward_fp8(e, stream);
 }
 
+// The experts' bf16 forward of `rows` rows (the routed experts, or the shared expert as one
+// expert of every token): h, g|u and y.
+void staged_experts(int64_t rows, int64_t H, int64_t I, int64_t experts, const std::optional<float>& limit,
+                    const int32_t* offsets, const void* x, const void* w_gate, const void* w_up, const void* w_down,
+                    void* gu, void* h, void* y, int32_t* status, cudaStream_t stream) {
+  cuda::ExpertsForwardArgs e = experts_shape(rows, H, I, experts, limit);
+  e.expert_offsets = offsets;
+  e.x = x;
+  e.w_gate = w_gate;
+  e.w_up = w_up;
+  e.w_down = w_down;
+  e.gu = gu;
+  e.h = h;
+  e.y = y;
+  e.status = status;
+  cuda::experts_forward(e, stream);
+}
+
 // One emulated rank: what it owns as a source (x, routing, combine slots, y, shared expert) and as
 // a destination (its experts, schedule and row buffers).
 struct RankBuffers {
@@ -880,17 +898,8 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
                            stream.s);
         continue;
       }
-      cuda::ExpertsForwardArgs e = experts_shape(cap, H, I, El, d.swiglu_limit);
-      e.expert_offsets = b.offsets.get();
-      e.x = b.x_rows.get();
-      e.w_gate = b.w_gate.get();
-      e.w_up = b.w_up.get();
-      e.w_down = b.w_down.get();
-      e.gu = b.gu.get();
-      e.h = b.h.get();
-      e.y = b.y_rows.get();
-      e.status = b.experts_status.get();
-      cuda::experts_forward(e, stream.s);
+      staged_experts(cap, H, I, El, d.swiglu_limit, b.offsets.get(), b.x_rows.get(), b.w_gate.get(), b.w_up.get(),
+                     b.w_down.get(), b.gu.get(), b.h.get(), b.y_rows.get(), b.experts_status.get(), stream.s);
     }
     mark(3, timed);
     for (RankBuffers& b : ranks) {
@@ -911,17 +920,9 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
                              b.shared_status.get(), stream.s);
           continue;
         }
-        cuda::ExpertsForwardArgs e = experts_shape(Tpad, H, Is, 1, d.swiglu_limit);
-        e.expert_offsets = b.shared_offsets.get();
-        e.x = b.x.get();
-        e.w_gate = s_gate.get();
-        e.w_up = s_up.get();
-        e.w_down = s_down.get();
-        e.gu = b.shared_gu.get();
-        e.h = b.shared_h.get();
-        e.y = b.y_shared.get();
-        e.status = b.shared_status.get();
-        cuda::experts_forward(e, stream.s);
+        staged_experts(Tpad, H, Is, 1, d.swiglu_limit, b.shared_offsets.get(), b.x.get(), s_gate.get(), s_up.get(),
+                       s_down.get(), b.shared_gu.get(), b.shared_h.get(), b.y_shared.get(), b.shared_status.get(),
+                       stream.s);
       }
     }
     mark(5, timed);
