@@ -376,8 +376,7 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
     """dx, d s_gate, d s_up, d s_down of the shared expert on MoK's expert kernels (the dh GEMM with
     the fused SwiGLU backward, dx, the weight gradients; fixed reduction order; given fp8_dgrad's
     weight ``transposes`` (_fp8_operands), dh and dx on block-scaled e4m3, as the routed experts').
-    The weight gradients in the weights'
-    dtypes."""
+    The weight gradients in the weights' dtypes."""
     x_rows, gu, h = saved
     rows, H = x_rows.shape
     T = dy.shape[0]
