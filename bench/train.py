@@ -181,6 +181,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def train_step(model: Decoder, opt: torch.optim.Optimizer, tokens: torch.Tensor, group: dist.ProcessGroup | None,
+               device: torch.device) -> tuple[torch.Tensor, int]:
+    """One training step of ``model`` (forward, loss, backward, the replicated gradients' average,
+    AdamW), finished on the device: its loss and the peak bytes forward and backward added over
+    what was resident before (the activations; AdamW's temporaries come after; 0 on the CPU)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device)
+    loss = model.loss(tokens)
+    loss.backward()
+    model.average_replicated_grads(group)
+    peak = torch.cuda.max_memory_allocated(device) - resident if cuda else 0
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return loss, peak
+
+
 def profile_step(model: Decoder, opt: torch.optim.Optimizer, tokens: torch.Tensor, group: dist.ProcessGroup | None,
                  device: torch.device, top: int) -> str:
     """One training step of ``model`` under torch.profiler: its ``top`` entries by self time on the
@@ -190,12 +209,7 @@ def profile_step(model: Decoder, opt: torch.optim.Optimizer, tokens: torch.Tenso
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(device)
     with profile(activities=activities) as prof:
-        loss = model.loss(tokens)
-        loss.backward()
-        model.average_replicated_grads(group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
+        train_step(model, opt, tokens, group, device)
     return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                      row_limit=top)
 
@@ -238,25 +252,15 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
     for step in range(args.warmup + args.steps):
         tokens = batches[step % len(batches)]
         for impl in IMPLS:
-            model, opt = models[impl], optims[impl]
             _sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                resident = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
-            loss = model.loss(tokens)
-            loss.backward()
-            model.average_replicated_grads(group)
-            if device.type == "cuda" and step >= args.warmup:  # the activations (AdamW's temporaries come after)
-                peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated(device) - resident)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(device)
+            loss, peak = train_step(models[impl], optims[impl], tokens, group, device)
             elapsed = time.perf_counter() - t0
             if step == 0:
                 first[impl] = float(loss.detach())
             if step >= args.warmup:
                 times[impl].append(elapsed)
+                peaks[impl] = max(peaks[impl], peak)
     # The same parameters and batch: the first losses agree to the layers' bf16 rounding, on every
     # rank; every rank learns of any rank's disagreement and raises (none is left in a collective).
     agree = math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol)
