@@ -638,6 +638,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   c.y_shared = a.y_shared;
   c.slots = SymmetricLayout::at<const void>(mine, l.combine);
   c.topk_w = SymmetricLayout::at<const float>(mine, l.topk_w);
+  c.topk_idx = SymmetricLayout::at<const int32_t>(mine, l.topk_idx);
   c.y = a.y;
   const ScheduleView schedule{El, a.row_capacity, a.expert_offsets, a.src_rank, a.src_slot, a.status};
   // The token links serve only the comm CTAs' copies (wire_pass: the comm warps read every row).
@@ -894,6 +895,9 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.topk = shape.topk;
   dg.dx_shared = a.dx_shared;
   dg.slots = SymmetricLayout::at<const void>(mine, l.dx_slots);
+  dg.topk_idx = SymmetricLayout::at<const int32_t>(mine, l.topk_idx);
+  dg.slot_values = SymmetricLayout::at<const float>(mine, l.dw_slots);  // d topk_w: the pushed slots, 0 where empty
+  dg.d_topk_w = a.d_topk_w;
   dg.dx = a.dx;
   std::string fp8_dgrad_problem;
   if (a.fp8_dgrad) {
@@ -969,14 +973,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
             [&](int s) { return signal_word(a.bases[s], l.dx_arrived(me)); },
             [&](int s) { return signal_word(mine, l.dx_arrived(s)); }, stream);
   }
-  // 6. The dx sum (after the shared expert's backward, when it runs on another stream); d topk_w
-  //    is the slots themselves.
+  // 6. The dx sum (after the shared expert's backward, when it runs on another stream), and d topk_w:
+  //    the slots themselves, 0 for the empty ones (no row wrote them).
   if (a.dx_shared_ready != nullptr) check(cudaStreamWaitEvent(stream, a.dx_shared_ready, 0), "wait for dx_shared");
   dispatch_grad_epilogue(dg, stream);
-  if (shape.slots() > 0)
-    check(cudaMemcpyAsync(a.d_topk_w, SymmetricLayout::at<const float>(mine, l.dw_slots),
-                          size_t(shape.slots()) * sizeof(float), cudaMemcpyDeviceToDevice, stream),
-          "copy d topk_w");
 }
 
 std::string describe_wait_status(const int32_t w[kFailureWords]) {

@@ -132,7 +132,7 @@ std::string describe(const RoutingStatus& status, const RoutingShape& shape) {
   const int64_t rank = position / slots, slot = position % slots;
   std::ostringstream s;
   s << "topk_idx[rank " << rank << "][token " << slot / k << "][" << slot % k << "] = " << value
-    << " is out of range [0, " << shape.num_experts << ")";
+    << " is out of range [0, " << shape.num_experts << ") and not -1 (no expert)";
   return s.str();
 }
 
@@ -460,6 +460,9 @@ void combine_epilogue(const CombineArgs& a, cudaStream_t stream) {
                                  static_cast<const uint4*>(a.y_shared),
                                  static_cast<const uint4*>(a.slots),
                                  a.topk_w,
+                                 a.topk_idx,
+                                 nullptr,
+                                 nullptr,
                                  static_cast<uint4*>(a.y)};
   launch_epilogue(true, p, a.num_sms, stream);
 }
@@ -467,6 +470,8 @@ void combine_epilogue(const CombineArgs& a, cudaStream_t stream) {
 std::string can_implement(const DispatchGradArgs& a) {
   std::ostringstream why;
   check_epilogue(a.tokens, a.hidden, a.topk, a.dx_shared, a.slots, a.dx, why);
+  if (a.tokens > 0 && a.d_topk_w != nullptr && a.slot_values == nullptr)
+    why << "slot_values must not be null with d_topk_w; ";
   return finish(why);
 }
 
@@ -478,6 +483,9 @@ void dispatch_grad_epilogue(const DispatchGradArgs& a, cudaStream_t stream) {
                                  static_cast<const uint4*>(a.dx_shared),
                                  static_cast<const uint4*>(a.slots),
                                  nullptr,
+                                 a.topk_idx,
+                                 a.slot_values,
+                                 a.d_topk_w,
                                  static_cast<uint4*>(a.dx)};
   launch_epilogue(false, p, a.num_sms, stream);
 }

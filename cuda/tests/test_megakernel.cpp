@@ -546,6 +546,7 @@ std::vector<std::vector<uint16_t>> staged_forward(const ref::LayerInputs<float>&
     c.topk = k;
     c.slots = slots[r].ptr;
     c.topk_w = w[r].ptr;
+    c.topk_idx = idx[r].ptr;  // empty slots: no row wrote them
     c.y = out.ptr;
     cuda::combine_epilogue(c, nullptr);
     cudaDeviceSynchronize();
@@ -620,7 +621,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_expert_rank1_gets_nothing", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
                       Case{"R2_one_token", desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
                       Case{"R4_zipf", desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
-                      Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
+                      Case{"R2_wide", desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform},
+                      Case{"R2_empty_slots", desc(2, 300, 512, 256, 16, 4), RoutingKind::masked}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The block-scaled fp8 forward (MoeForwardArgs::fp8) against the CPU oracle's fp8 layer
@@ -680,7 +682,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_expert_rank1_gets_nothing", fp8_desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
                       Case{"R2_one_token", fp8_desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
                       Case{"R4_zipf", fp8_desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
-                      Case{"R2_wide", fp8_desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform}),
+                      Case{"R2_wide", fp8_desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform},
+                      Case{"R2_empty_slots", fp8_desc(2, 300, 512, 256, 16, 4), RoutingKind::masked}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The backward's outputs of two runs, bit for bit: dx and d topk_w of every rank, then the weight
@@ -892,7 +895,8 @@ INSTANTIATE_TEST_SUITE_P(
     Gpu, MegakernelBackward,
     ::testing::Values(Case{"R1_zipf", desc(1, 300, 512, 256, 16, 4), RoutingKind::zipf},
                       Case{"R2_uniform", desc(2, 257, 256, 384, 8, 2), RoutingKind::uniform},
-                      Case{"R2_one_expert", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert}),
+                      Case{"R2_one_expert", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
+                      Case{"R2_empty_slots", desc(2, 257, 256, 384, 8, 2), RoutingKind::masked}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(MegakernelPeers, TwoGpusMatchOneGpuBitwise) {

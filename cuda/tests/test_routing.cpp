@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -642,9 +643,11 @@ struct EpilogueCase {
   std::string name;
   int64_t T, H, k;
   bool shared;
+  bool empty_slots = false;  // about a third of the slots empty (id -1), their rows and weights NaN
 };
 void PrintTo(const EpilogueCase& c, std::ostream* os) {
-  *os << c.name << " (T=" << c.T << " H=" << c.H << " k=" << c.k << " shared=" << c.shared << ")";
+  *os << c.name << " (T=" << c.T << " H=" << c.H << " k=" << c.k << " shared=" << c.shared
+      << " empty_slots=" << c.empty_slots << ")";
 }
 
 class RoutingEpilogues : public ::testing::TestWithParam<EpilogueCase> {};
@@ -665,19 +668,39 @@ TEST_P(RoutingEpilogues, MatchTheCpuBitwiseAndAreDeterministic) {
   std::vector<float> topk_w(static_cast<size_t>(T * k));
   for (float& v : topk_w) v = static_cast<float>(rng.normal());
   const auto shared = c.shared ? random_bf16(rng, T * H, 4.0) : std::vector<float>();
+  // Empty slots: no row was written there (NaN rows and weights stand for whatever the buffers
+  // hold), and every token of a third of the tokens is empty (y = the shared expert or 0).
+  std::vector<int32_t> ids(static_cast<size_t>(T * k), 0);
+  std::vector<float> pushed_dw(static_cast<size_t>(T * k));  // d topk_w as the rows pushed it
+  for (float& v : pushed_dw) v = static_cast<float>(rng.normal());
+  if (c.empty_slots) {
+    for (int64_t s = 0; s < T * k; ++s) {
+      if ((s / k) % 3 != 0 && rng.next() % 3 != 0) continue;
+      ids[static_cast<size_t>(s)] = kNoExpert;
+      topk_w[static_cast<size_t>(s)] = std::numeric_limits<float>::quiet_NaN();
+      pushed_dw[static_cast<size_t>(s)] = std::numeric_limits<float>::quiet_NaN();
+      std::fill_n(slots.begin() + s * H, H, std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+  std::vector<float> dw_want(pushed_dw);
+  for (size_t s = 0; s < ids.size(); ++s)
+    if (ids[s] == kNoExpert) dw_want[s] = 0.0f;
 
   std::vector<float> y_ref(static_cast<size_t>(T * H)), dx_ref(static_cast<size_t>(T * H));
-  ref::combine_epilogue<float>(T, H, k, c.shared ? shared.data() : nullptr, slots.data(), topk_w.data(),
+  ref::combine_epilogue<float>(T, H, k, c.shared ? shared.data() : nullptr, slots.data(), topk_w.data(), ids.data(),
                                y_ref.data(), ref::Rounding::bf16);
-  ref::dispatch_grad_epilogue<float>(T, H, k, c.shared ? shared.data() : nullptr, slots.data(), dx_ref.data(),
-                                     ref::Rounding::bf16);
+  ref::dispatch_grad_epilogue<float>(T, H, k, c.shared ? shared.data() : nullptr, slots.data(), ids.data(),
+                                     dx_ref.data(), ref::Rounding::bf16);
 
   DeviceBuffer<uint16_t> dslots(slots.size()), dshared(shared.size()), dy(T * H + kGuard),
       ddx(T * H + kGuard);
-  DeviceBuffer<float> dw(topk_w.size());
+  DeviceBuffer<float> dw(topk_w.size()), dpushed(pushed_dw.size()), d_topk_w(pushed_dw.size() + kGuard);
+  DeviceBuffer<int32_t> dids(ids.size());
   dslots.upload(to_bits(slots));
   dshared.upload(to_bits(shared));
   dw.upload(topk_w);
+  dpushed.upload(pushed_dw);
+  dids.upload(ids);
   cuda::CombineArgs ca;
   ca.tokens = T;
   ca.hidden = H;
@@ -685,6 +708,7 @@ TEST_P(RoutingEpilogues, MatchTheCpuBitwiseAndAreDeterministic) {
   ca.y_shared = c.shared ? dshared.ptr : nullptr;
   ca.slots = dslots.ptr;
   ca.topk_w = dw.ptr;
+  ca.topk_idx = c.empty_slots ? dids.ptr : nullptr;
   ca.y = dy.ptr;
   ASSERT_EQ(cuda::can_implement(ca), "");
   cuda::DispatchGradArgs da;
@@ -693,6 +717,9 @@ TEST_P(RoutingEpilogues, MatchTheCpuBitwiseAndAreDeterministic) {
   da.topk = k;
   da.dx_shared = c.shared ? dshared.ptr : nullptr;
   da.slots = dslots.ptr;
+  da.topk_idx = c.empty_slots ? dids.ptr : nullptr;
+  da.slot_values = dpushed.ptr;
+  da.d_topk_w = d_topk_w.ptr;
   da.dx = ddx.ptr;
   ASSERT_EQ(cuda::can_implement(da), "");
 
@@ -702,10 +729,16 @@ TEST_P(RoutingEpilogues, MatchTheCpuBitwiseAndAreDeterministic) {
     SCOPED_TRACE("run " + std::to_string(run));
     dy.poison(0xff);
     ddx.poison(0xff);
+    d_topk_w.poison(0xff);
     cuda::combine_epilogue(ca, nullptr);
     cuda::dispatch_grad_epilogue(da, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     auto y = dy.download(), dx = ddx.download();
+    const auto dtw = d_topk_w.download();
+    ASSERT_TRUE(same_bits(dtw, dw_want, "d topk_w (index = token*k + j)", 0, T * k));
+    float poison_f32;
+    std::memset(&poison_f32, 0xff, sizeof poison_f32);
+    ASSERT_TRUE(untouched(dtw, poison_f32, T * k, "d topk_w"));
     ASSERT_TRUE(same_bits(y, y_want, "combine y (index = token*H + column)", 0, T * H));
     ASSERT_TRUE(same_bits(dx, dx_want, "dispatch-grad dx (index = token*H + column)", 0, T * H));
     ASSERT_TRUE(untouched(y, uint16_t{0xffff}, T * H, "combine y"));
@@ -725,6 +758,7 @@ std::vector<EpilogueCase> epilogue_cases() {
       {"no_tokens", 0, 64, 2, true},        {"one_token_k1_no_shared", 1, 8, 1, false},
       {"k4_shared", 300, 520, 4, true},     {"k4_no_shared", 300, 520, 4, false},
       {"k8_kimi_width", 77, 7168, 8, true}, {"k10_qwen_like", 1000, 128, 10, true},
+      {"k4_empty_slots", 300, 520, 4, true, true}, {"k8_empty_slots_no_shared", 77, 264, 8, false, true},
   };
 }
 

@@ -360,34 +360,38 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "combine_epilogue",
       [](int64_t tokens, int64_t hidden, int64_t topk, const std::optional<py::array>& y_shared,
-         const py::array& slots, const py::array& topk_w, py::array y) {
+         const py::array& slots, const py::array& topk_w, py::array y, const std::optional<py::array>& topk_idx) {
         MOK_REQUIRE(tokens >= 0 && hidden >= 1 && topk >= 1, "bad epilogue shape: tokens=", tokens,
                     " hidden=", hidden, " topk=", topk);
         const float* ys = optional_input<float>(y_shared, tokens * hidden, "y_shared");
         const float* sp = input<float>(slots, tokens * topk * hidden, "slots");
         const float* wp = input<float>(topk_w, tokens * topk, "topk_w");
+        const int32_t* ip = optional_input<int32_t>(topk_idx, tokens * topk, "topk_idx");
         float* yp = output<float>(y, tokens * hidden, "y");
         py::gil_scoped_release release;
-        ref::combine_epilogue<float>(tokens, hidden, topk, ys, sp, wp, yp, kRounding);
+        ref::combine_epilogue<float>(tokens, hidden, topk, ys, sp, wp, ip, yp, kRounding);
       },
       py::arg("tokens"), py::arg("hidden"), py::arg("topk"), py::arg("y_shared"), py::arg("slots"),
-      py::arg("topk_w"), py::arg("y"),
-      "y[t] = bf16(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]), j in order");
+      py::arg("topk_w"), py::arg("y"), py::arg("topk_idx") = py::none(),
+      "y[t] = bf16(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]), j in order, skipping the slots whose "
+      "topk_idx (int32, optional) is -1");
 
   m.def(
       "dispatch_grad_epilogue",
       [](int64_t tokens, int64_t hidden, int64_t topk, const std::optional<py::array>& dx_shared,
-         const py::array& slots, py::array dx) {
+         const py::array& slots, py::array dx, const std::optional<py::array>& topk_idx) {
         MOK_REQUIRE(tokens >= 0 && hidden >= 1 && topk >= 1, "bad epilogue shape: tokens=", tokens,
                     " hidden=", hidden, " topk=", topk);
         const float* ds = optional_input<float>(dx_shared, tokens * hidden, "dx_shared");
         const float* sp = input<float>(slots, tokens * topk * hidden, "slots");
+        const int32_t* ip = optional_input<int32_t>(topk_idx, tokens * topk, "topk_idx");
         float* dxp = output<float>(dx, tokens * hidden, "dx");
         py::gil_scoped_release release;
-        ref::dispatch_grad_epilogue<float>(tokens, hidden, topk, ds, sp, dxp, kRounding);
+        ref::dispatch_grad_epilogue<float>(tokens, hidden, topk, ds, sp, ip, dxp, kRounding);
       },
       py::arg("tokens"), py::arg("hidden"), py::arg("topk"), py::arg("dx_shared"), py::arg("slots"),
-      py::arg("dx"), "dx[t] = bf16(dx_shared[t] + sum_j slots[t*k+j]), j in order");
+      py::arg("dx"), py::arg("topk_idx") = py::none(),
+      "dx[t] = bf16(dx_shared[t] + sum_j slots[t*k+j]), j in order, skipping the slots whose topk_idx is -1");
 
   m.def("reference_layer", &reference_layer, py::arg("desc"), py::arg("x"), py::arg("topk_idx"),
         py::arg("topk_w"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("shared_gate"),

@@ -41,8 +41,18 @@ class _Schedule(NamedTuple):
     row_src_slot: Tensor  # [M] int32
     recv_order: Tensor  # [M] int64
     recv_counts: Tensor  # [R] int64
-    send_order: Tensor  # [T*k] int64
+    send_order: Tensor  # [T*k] int64: routed slots by expert, then the empty ones (id -1)
     send_counts: Tensor  # [R] int64
+
+    def routed_slots(self) -> Tensor:
+        """The slots that are sent (send_order without the empty slots at its end)."""
+        return self.send_order[:int(self.send_counts.sum())]
+
+    def slot_ids(self) -> Tensor:
+        """[T*k] int32 for the epilogues: 0 where a slot is routed, -1 where it is empty."""
+        ids = torch.zeros(self.send_order.shape[0], dtype=torch.int32)
+        ids[self.send_order[int(self.send_counts.sum()):]] = -1
+        return ids
 
 
 def _empty(*shape: int) -> Tensor:
@@ -120,10 +130,11 @@ def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Sche
         if num_experts < 1 or num_experts % group.size != 0:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the expert-parallel "
                              f"group size {group.size}")
-        bad = (topk_idx < 0) | (topk_idx >= num_experts)
+        bad = (topk_idx < -1) | (topk_idx >= num_experts)
         if bool(bad.any()):
             t, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in [0, {num_experts})")
+            raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in [0, {num_experts}) "
+                             "nor -1 (no expert)")
         # The schedule depends on T, k, E and R only; H and I are placeholders.
         _C.MoeDesc(tokens_per_rank=tokens, hidden=1, intermediate=1, num_experts=num_experts, topk=topk,
                    ranks=group.size).validate()
@@ -138,6 +149,7 @@ def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Sche
     offsets, src_rank, src_slot = _C.build_rank_schedule(desc, group.rank, _np(every_rank))
     row_src_rank = torch.from_numpy(src_rank)
     flat = idx.reshape(-1).to(torch.int64)
+    routed = flat >= 0
     local_experts = num_experts // group.size
     return _Schedule(
         expert_offsets=torch.from_numpy(offsets),
@@ -145,8 +157,9 @@ def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Sche
         row_src_slot=torch.from_numpy(src_slot),
         recv_order=torch.sort(row_src_rank, stable=True).indices,
         recv_counts=torch.bincount(row_src_rank.to(torch.int64), minlength=group.size),
-        send_order=torch.sort(flat, stable=True).indices,
-        send_counts=torch.bincount(flat // local_experts, minlength=group.size),
+        # Empty slots (-1) sort after every expert: the routed slots come first.
+        send_order=torch.sort(torch.where(routed, flat, num_experts), stable=True).indices,
+        send_counts=torch.bincount(flat[routed] // local_experts, minlength=group.size),
     )
 
 
@@ -163,7 +176,7 @@ def _routed_forward(group: _dist.EpGroup, s: _Schedule, shape: _checks.LayerShap
                     keep_gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """x rows to the experts' ranks and the routed experts: (x_rows bf16, y_rows f32, gu f32, h f32)."""
     k, H, I, El = shape.topk, shape.hidden, shape.intermediate, shape.local_experts
-    per_slot = x.index_select(0, torch.div(s.send_order, k, rounding_mode="floor"))
+    per_slot = x.index_select(0, torch.div(s.routed_slots(), k, rounding_mode="floor"))
     x_rows = _dist.dispatch_rows(group, per_slot, s.send_counts, s.recv_counts, s.recv_order)
     M = x_rows.shape[0]
     gu = _empty(M, 2 * I) if keep_gate_up else None
@@ -212,7 +225,7 @@ def forward(x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Ten
         y_shared, shared_gu, shared_h = _shared_forward(shape, _as_f32(x), weights[3:], swiglu_limit)
     y = _empty(T, H)
     _C.combine_epilogue(T, H, k, None if y_shared is None else _np(y_shared), _np(slots),
-                        _np(topk_w.detach().contiguous()), _np(y))
+                        _np(topk_w.detach().contiguous()), _np(y), _np(s.slot_ids()))
 
     if not save_context:
         return y.to(torch.bfloat16), _empty_context(shape)
@@ -274,10 +287,11 @@ def backward(dy: Tensor, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor
     topk_w = topk_w.detach().contiguous()
 
     # dy rows (unscaled) and each row's router weight go to the experts' ranks.
-    token_of_slot = torch.div(s.send_order, k, rounding_mode="floor")
+    routed = s.routed_slots()
+    token_of_slot = torch.div(routed, k, rounding_mode="floor")
     dy_rows = _dist.dispatch_rows(group, dy.index_select(0, token_of_slot), s.send_counts, s.recv_counts,
                                   s.recv_order)
-    row_w = _dist.dispatch_rows(group, topk_w.reshape(-1, 1).index_select(0, s.send_order), s.send_counts,
+    row_w = _dist.dispatch_rows(group, topk_w.reshape(-1, 1).index_select(0, routed), s.send_counts,
                                 s.recv_counts, s.recv_order)
     M = dy_rows.shape[0]
     dx_rows, d_row_w = _empty(M, H), _empty(M)
@@ -308,6 +322,7 @@ def backward(dy: Tensor, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor
                             _np(ds_up), _np(ds_down))
         d_shared = (ds_gate.to(s_gate.dtype), ds_up.to(s_up.dtype), ds_down.to(s_down.dtype))
     dx = _empty(T, H)
-    _C.dispatch_grad_epilogue(T, H, k, None if dx_shared is None else _np(dx_shared), _np(dx_slots), _np(dx))
+    _C.dispatch_grad_epilogue(T, H, k, None if dx_shared is None else _np(dx_shared), _np(dx_slots), _np(dx),
+                              _np(s.slot_ids()))
     return (dx.to(torch.bfloat16), d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
             *d_shared)

@@ -626,8 +626,9 @@ class FusedForward:
                  fp8_gate_up: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                  fp8_transposes: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
                  ) -> None:
-        """The backward of the :meth:`run` that kept ``context``: every rank has written its dy and
-        topk_w into its symmetric buffer (and its x too when the context is a replay one: the rows
+        """The backward of the :meth:`run` that kept ``context``: every rank has written its dy,
+        topk_w and that run's topk_idx (whose empty slots, id -1, the dx sum and d topk_w skip) into its
+        symmetric buffer (and its x too when the context is a replay one: the rows
         are then pulled and gate|up run again, into buffers that live for this call only; or an
         fp8 one: the bf16 rows are pulled again, w_* are the bf16 weights, and a replay reruns the
         fp8 gate|up with ``fp8_gate_up`` = (W_gate, W_up) as :meth:`run_fp8` took them). Weight

@@ -257,20 +257,20 @@ class _FusedMoe(torch.autograd.Function):
         ctx.fp8_operands, ctx.shared_fp8_operands = operands, shared_operands
         # x only where the backward reads it: the replay and the fp8 backward pull it again, the
         # shared expert's rows hold it.
-        ctx.save_for_backward(topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None, s_gate, s_up,
-                              s_down, *kept)
+        ctx.save_for_backward(topk_idx, topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None, s_gate,
+                              s_up, s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
-        with torch.cuda.device(ctx.saved_tensors[0].device):
+        with torch.cuda.device(ctx.saved_tensors[1].device):
             return _FusedMoe._backward(ctx, dy)
 
     @staticmethod
     def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         ws: _Workspace = ctx.ws
-        topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *shared_rows = ctx.saved_tensors
+        topk_idx, topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *shared_rows = ctx.saved_tensors
         T, H = ws.x.shape
         device = topk_w.device
         if ctx.context is None:
@@ -293,6 +293,7 @@ class _FusedMoe(torch.autograd.Function):
             ws.x.copy_(x)
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
+        ws.topk_idx.copy_(topk_idx)  # the dx sum and d topk_w skip the empty slots (another call may have run here)
         El, I, _ = w_gate.shape
         dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
         d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)

@@ -9,6 +9,8 @@ rank ``d`` owns the contiguous experts ``[d*El, (d+1)*El)``; inside each group t
 destination's canonical schedule order restricted to this source. So one ``all_to_all_single``
 moves every routed row, and the receiver puts the rows of source ``r`` into its schedule rows
 whose ``src_rank == r``, in order (``recv_order``). The way back is the same exchange reversed.
+Empty slots (expert id -1) come last in ``send_order`` and are never sent: the first
+``send_counts.sum()`` entries are the routed ones.
 Gloo implements ``all_to_all_single`` with uneven splits on CPU tensors (bf16 included) in
 torch >= 2.10, so no all_gather fallback is needed.
 """
@@ -30,7 +32,8 @@ __all__ = ["EpGroup", "group_name_of", "resolve", "agree", "report_failure", "di
 # step tag turns that into an error instead of a silent mix-up.
 _RECORD = 16
 _STATUS_OK, _STATUS_VALUE_ERROR, _STATUS_TYPE_ERROR = 0, 1, 2
-_STEPS = ("get_workspace", "build_schedule", "forward", "backward", "recompute_forward_context", "cuda_workspace")
+_STEPS = ("get_workspace", "build_schedule", "forward", "backward", "recompute_forward_context", "cuda_workspace",
+          "domains")
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,8 @@ def _all_to_all(group: EpGroup, send: torch.Tensor, send_counts: list[int], recv
 
 def dispatch_rows(group: EpGroup, per_slot_rows: torch.Tensor, send_counts: torch.Tensor,
                   recv_counts: torch.Tensor, recv_order: torch.Tensor) -> torch.Tensor:
-    """Source -> destination: ``per_slot_rows [T*k, w]`` (already in ``send_order``) become this rank's
-    schedule rows ``[M, w]``, in canonical order. Exact (data movement only)."""
+    """Source -> destination: ``per_slot_rows [n, w]`` (the n routed slots, in ``send_order``) become
+    this rank's schedule rows ``[M, w]``, in canonical order. Exact (data movement only)."""
     recv = _all_to_all(group, per_slot_rows, send_counts.tolist(), recv_counts.tolist())
     rows = recv.new_empty((recv_order.shape[0],) + tuple(recv.shape[1:]))
     rows[recv_order] = recv
@@ -191,9 +194,9 @@ def dispatch_rows(group: EpGroup, per_slot_rows: torch.Tensor, send_counts: torc
 def combine_rows(group: EpGroup, rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor,
                  recv_order: torch.Tensor, send_order: torch.Tensor) -> torch.Tensor:
     """Destination -> source: schedule rows ``[M, w]`` go back to the (token, j) slots they came from;
-    returns this rank's ``[T*k, w]`` slots. Every slot is routed to exactly one expert, so every slot
-    is written. Exact (data movement only)."""
+    returns this rank's ``[T*k, w]`` slots: each routed slot written once, the empty ones (expert id
+    -1, last in ``send_order``) zero. Exact (data movement only)."""
     back = _all_to_all(group, rows.index_select(0, recv_order), recv_counts.tolist(), send_counts.tolist())
-    slots = back.new_empty((send_order.shape[0],) + tuple(back.shape[1:]))
-    slots[send_order] = back
+    slots = back.new_zeros((send_order.shape[0],) + tuple(back.shape[1:]))
+    slots[send_order[:back.shape[0]]] = back
     return slots

@@ -485,6 +485,17 @@ def route_with_duplicates(
     return torch.randint(0, pool, (num_tokens, topk), generator=generator)
 
 
+def route_masked(
+    num_tokens: int, num_experts: int, topk: int, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Zipf routing with empty slots (id -1, no expert): each slot with probability 1/4, and every
+    slot of every 5th token (tokens that reach no expert, as masked or padding tokens do)."""
+    idx = route_zipf(num_tokens, num_experts, topk, generator=generator)
+    empty = torch.rand(num_tokens, topk, generator=generator) < 0.25
+    empty[4::5] = True
+    return idx.masked_fill(empty, -1)
+
+
 RoutingFn = Callable[..., torch.Tensor]
 ROUTINGS: dict[str, RoutingFn] = {
     "balanced": route_balanced,
@@ -492,6 +503,7 @@ ROUTINGS: dict[str, RoutingFn] = {
     "zipf": route_zipf,
     "all_to_one": route_all_to_one,
     "duplicates": route_with_duplicates,
+    "masked": route_masked,
 }
 
 

@@ -370,6 +370,7 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   c.topk = d.topk;
   c.slots = c.y_shared = placeholder<const void>();
   c.topk_w = placeholder<const float>();
+  c.topk_idx = placeholder<const int32_t>();
   c.y = placeholder<void>();
   add("combine epilogue", cuda::can_implement(c));
 
@@ -429,6 +430,9 @@ std::string cuda_cannot_run(const MoeDesc& d) {
   dg.hidden = d.hidden;
   dg.topk = d.topk;
   dg.dx_shared = dg.slots = placeholder<const void>();
+  dg.topk_idx = placeholder<const int32_t>();
+  dg.slot_values = placeholder<const float>();
+  dg.d_topk_w = placeholder<float>();
   dg.dx = placeholder<void>();
   add("dispatch-gradient epilogue", cuda::can_implement(dg));
   return why;
@@ -934,6 +938,7 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
       c.y_shared = d.has_shared() ? b.y_shared.get() : nullptr;
       c.slots = b.slots.get();
       c.topk_w = b.topk_w.get();
+      c.topk_idx = b.topk_idx.get();
       c.y = b.y.get();
       cuda::combine_epilogue(c, stream.s);
     }
@@ -1051,6 +1056,8 @@ CudaLayer cuda_layer(const ref::LayerInputs<float>& in, const std::vector<std::v
       g.topk = k;
       g.dx_shared = d.has_shared() ? b.dx_shared.get() : nullptr;
       g.slots = b.dx_slots.get();
+      g.topk_idx = b.topk_idx.get();
+      g.slot_values = g.d_topk_w = b.d_topk_w.get();  // the empty slots' d topk_w (no row wrote them) <- 0
       g.dx = b.dx.get();
       cuda::dispatch_grad_epilogue(g, stream.s);
     }

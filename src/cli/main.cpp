@@ -15,7 +15,7 @@ const char* kUsage =
     "              [--comm-sms N] [--minibatch ROWS] [--ring-rows ROWS] [--ring-budget-mib MIB]\n"
     "              [--backward fused|stages]\n"
     "              print the plan (minibatch, ring, backward path, workspace, floors) and why\n"
-    "  mok run     [--preset NAME] [--ranks R] [--tokens T] [--routing balanced|uniform|zipf|one_expert]\n"
+    "  mok run     [--preset NAME] [--ranks R] [--tokens T] [--routing balanced|uniform|zipf|one_expert|masked]\n"
     "              [--backend auto|cpu|cuda] [--threads N] [--runs N] [--seed S] [--limit L]\n"
     "              [--fused on|off]   (cuda: also run the fused forward, the megakernel)\n"
     "              [--precision bf16|fp8|fp8_dgrad]   (fp8: the experts' forward GEMMs on block-scaled e4m3;\n"

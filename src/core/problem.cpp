@@ -14,6 +14,7 @@ const char* to_string(RoutingKind r) {
     case RoutingKind::uniform: return "uniform";
     case RoutingKind::zipf: return "zipf";
     case RoutingKind::one_expert: return "one_expert";
+    case RoutingKind::masked: return "masked";
   }
   return "unknown";
 }
@@ -23,7 +24,8 @@ RoutingKind parse_routing(const std::string& name) {
   if (name == "uniform") return RoutingKind::uniform;
   if (name == "zipf") return RoutingKind::zipf;
   if (name == "one_expert" || name == "all_to_one") return RoutingKind::one_expert;
-  throw InvalidArgument("routing '" + name + "' is not one of: balanced, uniform, zipf, one_expert");
+  if (name == "masked") return RoutingKind::masked;
+  throw InvalidArgument("routing '" + name + "' is not one of: balanced, uniform, zipf, one_expert, masked");
 }
 
 uint64_t Rng::next() {
@@ -47,7 +49,7 @@ std::vector<std::vector<int32_t>> make_routing(const MoeDesc& desc, RoutingKind 
   std::vector<std::vector<int32_t>> idx(static_cast<size_t>(R), std::vector<int32_t>(static_cast<size_t>(T * k)));
   Rng rng(seed ^ 0x5eedull);
   std::vector<double> weight(static_cast<size_t>(E), 1.0);
-  if (kind == RoutingKind::zipf) {
+  if (kind == RoutingKind::zipf || kind == RoutingKind::masked) {
     std::vector<int64_t> order(static_cast<size_t>(E));
     std::iota(order.begin(), order.end(), 0);
     for (int64_t i = E - 1; i > 0; --i) std::swap(order[i], order[rng.next() % (i + 1)]);
@@ -77,6 +79,10 @@ std::vector<std::vector<int32_t>> make_routing(const MoeDesc& desc, RoutingKind 
           while (w[e] == 0.0) e = (e + 1) % E;  // rounding at the end of the scan
           out[j] = static_cast<int32_t>(e);
           w[e] = 0.0;
+        }
+        if (kind == RoutingKind::masked) {
+          for (int64_t j = 0; j < k; ++j)
+            if (g % 5 == 4 || rng.next() % 4 == 0) out[j] = kNoExpert;
         }
       }
     }

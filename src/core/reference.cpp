@@ -377,12 +377,13 @@ void scatter_slot_rows(const RankSchedule& s, int64_t width, const Real* rows,
 
 template <class Real>
 void combine_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* y_shared,
-                      const Real* slots, const Real* topk_w, Real* y, Rounding rounding) {
+                      const Real* slots, const Real* topk_w, const int32_t* topk_idx, Real* y, Rounding rounding) {
   parallel_for(tokens, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t c = 0; c < hidden; ++c) {
         Real acc = y_shared != nullptr ? y_shared[t * hidden + c] : Real(0);
         for (int64_t j = 0; j < topk; ++j) {
+          if (topk_idx != nullptr && topk_idx[t * topk + j] == kNoExpert) continue;
           const Real term = topk_w[t * topk + j] * slots[(t * topk + j) * hidden + c];
           acc = acc + term;
         }
@@ -394,12 +395,15 @@ void combine_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* 
 
 template <class Real>
 void dispatch_grad_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* dx_shared,
-                            const Real* slots, Real* dx, Rounding rounding) {
+                            const Real* slots, const int32_t* topk_idx, Real* dx, Rounding rounding) {
   parallel_for(tokens, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t c = 0; c < hidden; ++c) {
         Real acc = dx_shared != nullptr ? dx_shared[t * hidden + c] : Real(0);
-        for (int64_t j = 0; j < topk; ++j) acc = acc + slots[(t * topk + j) * hidden + c];
+        for (int64_t j = 0; j < topk; ++j) {
+          if (topk_idx != nullptr && topk_idx[t * topk + j] == kNoExpert) continue;
+          acc = acc + slots[(t * topk + j) * hidden + c];
+        }
         dx[t * hidden + c] = store(acc, rounding);
       }
     }
@@ -507,7 +511,7 @@ LayerForward<Real> layer_forward(const LayerInputs<Real>& in, Rounding rounding)
       experts_mlp(shared_shape, sw, offsets, in.x[r].data(), sgu.data(), sh.data(), y_shared.data());
     }
     combine_epilogue(T, H, k, d.has_shared() ? y_shared.data() : nullptr, combine[r].data(),
-                     in.topk_w[r].data(), y.data(), rounding);
+                     in.topk_w[r].data(), in.topk_idx[r].data(), y.data(), rounding);
   }
   return out;
 }
@@ -592,7 +596,7 @@ LayerGrads<Real> layer_backward(const LayerInputs<Real>& in, const LayerContext<
                   ds.up.data(), ds.down.data());
     }
     dispatch_grad_epilogue(T, H, k, d.has_shared() ? dx_shared.data() : nullptr, dx_slots[r].data(),
-                           dx.data(), rounding);
+                           in.topk_idx[r].data(), dx.data(), rounding);
   }
   return g;
 }
@@ -640,9 +644,9 @@ void experts_forward_fp8(const MlpShape& shape, const ExpertsView<float>& w, std
   template void scatter_slot_rows<Real>(const RankSchedule&, int64_t, const Real*,                 \
                                         std::span<Real* const>);                                   \
   template void combine_epilogue<Real>(int64_t, int64_t, int64_t, const Real*, const Real*,        \
-                                       const Real*, Real*, Rounding);                              \
+                                       const Real*, const int32_t*, Real*, Rounding);              \
   template void dispatch_grad_epilogue<Real>(int64_t, int64_t, int64_t, const Real*, const Real*,  \
-                                             Real*, Rounding);                                     \
+                                             const int32_t*, Real*, Rounding);                     \
   template void validate_inputs<Real>(const LayerInputs<Real>&);                                   \
   template LayerForward<Real> layer_forward<Real>(const LayerInputs<Real>&, Rounding);             \
   template LayerGrads<Real> layer_backward<Real>(const LayerInputs<Real>&, const LayerContext<Real>&, \

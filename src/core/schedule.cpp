@@ -19,9 +19,9 @@ void validate_routing(const MoeDesc& desc, int64_t src_rank, std::span<const int
               desc.topk, "=", slots);
   for (int64_t s = 0; s < slots; ++s) {
     const int32_t e = topk_idx[static_cast<size_t>(s)];
-    MOK_REQUIRE(e >= 0 && e < desc.num_experts, "topk_idx[rank ", src_rank, "][token ",
-                s / desc.topk, "][", s % desc.topk, "] = ", e, " is out of range [0, ",
-                desc.num_experts, ")");
+    MOK_REQUIRE(e == kNoExpert || (e >= 0 && e < desc.num_experts), "topk_idx[rank ", src_rank, "][token ",
+                s / desc.topk, "][", s % desc.topk, "] = ", e, " is out of range [0, ", desc.num_experts,
+                ") and not -1 (no expert)");
   }
 }
 

@@ -91,6 +91,7 @@ inline NaiveResult naive_layer(const ref::LayerInputs<double>& in,
       }
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = in.topk_idx[r][t * k + j];
+        if (e == kNoExpert) continue;  // an empty slot: no term, d topk_w stays 0
         naive_mlp(H, I, d.swiglu_limit, x, in.routed.gate.data() + e * I * H,
                   in.routed.up.data() + e * I * H, in.routed.down.data() + e * H * I,
                   in.topk_w[r][t * k + j], g, y, dx, &out.d_topk_w[r][t * k + j],

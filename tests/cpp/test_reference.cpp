@@ -51,6 +51,7 @@ std::vector<Case> adversarial_cases() {
       {"clamped_swiglu", 64, 64, 48, 4, 2, 2, 32, 1.0f, RoutingKind::uniform},
       {"no_tokens", 0, 16, 8, 4, 2, 2, 8, std::nullopt, RoutingKind::uniform},
       {"balanced", 16, 64, 32, 8, 4, 2, 32, std::nullopt, RoutingKind::balanced},
+      {"empty_slots", 23, 40, 24, 8, 3, 2, 16, std::nullopt, RoutingKind::masked},
   };
 }
 
@@ -138,6 +139,61 @@ TEST(Reference, EmptyExpertsReallyOccurAndGetZeroGradients) {
       for (int64_t i = 0; i < d.intermediate * d.hidden; ++i) {
         ASSERT_EQ(g.d_routed.gate[ge * d.intermediate * d.hidden + i], 0.0);
       }
+    }
+  }
+}
+
+// An empty slot (id -1) is the slot routed with weight 0, except that it costs no row and its
+// d topk_w is 0: y and dx hold the same values, the weight gradients the same to rounding (their
+// row sums go in fixed blocks of rows, which the zero-weight rows shift).
+TEST(Reference, EmptySlotsAddNothing) {
+  const MoeDesc d = desc_of({"empty", 40, 32, 16, 8, 4, 2, 16, std::nullopt, RoutingKind::masked});
+  const auto in = make_inputs<float>(d, RoutingKind::masked, 19, true);
+  auto zero_weight = in;
+  int64_t empty = 0, all_empty_tokens = 0;
+  for (int64_t r = 0; r < d.ranks; ++r) {
+    for (int64_t t = 0; t < d.tokens_per_rank; ++t) {
+      int64_t in_token = 0;
+      for (int64_t j = 0; j < d.topk; ++j) {
+        const size_t s = static_cast<size_t>(t * d.topk + j);
+        if (in.topk_idx[r][s] != kNoExpert) continue;
+        ++empty, ++in_token;
+        zero_weight.topk_idx[r][s] = static_cast<int32_t>((t + j) % d.num_experts);
+        zero_weight.topk_w[r][s] = 0.0f;
+      }
+      all_empty_tokens += in_token == d.topk;
+    }
+  }
+  ASSERT_GT(empty, d.ranks * d.tokens_per_rank * d.topk / 5) << "the masked routing has few empty slots";
+  ASSERT_GT(all_empty_tokens, 0) << "the masked routing has no token without experts";
+  const auto dy = make_output_grad<float>(d, 19, true);
+  const auto f = ref::layer_forward(in, ref::Rounding::bf16);
+  const auto g = ref::layer_backward(in, f.context, dy, ref::Rounding::bf16);
+  const auto f0 = ref::layer_forward(zero_weight, ref::Rounding::bf16);
+  const auto g0 = ref::layer_backward(zero_weight, f0.context, dy, ref::Rounding::bf16);
+  int64_t rows = 0, rows0 = 0;
+  for (int64_t r = 0; r < d.ranks; ++r) {
+    rows += f.context.schedules[r].real_rows();
+    rows0 += f0.context.schedules[r].real_rows();
+  }
+  EXPECT_EQ(rows, rows0 - empty) << "an empty slot must not become a row";
+  const auto same_values = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << what << "[" << i << "]";
+  };
+  same_values(flat(f.y), flat(f0.y), "y");
+  same_values(flat(g.dx), flat(g0.dx), "dx");
+  const auto close = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+    const Comparison cmp = compare(std::vector<double>(a.begin(), a.end()), std::vector<double>(b.begin(), b.end()));
+    EXPECT_TRUE(cmp.within(kBf16RelTolerance)) << cmp.describe(what);
+  };
+  close(g.d_routed.gate, g0.d_routed.gate, "dW_gate");
+  close(g.d_routed.up, g0.d_routed.up, "dW_up");
+  close(g.d_routed.down, g0.d_routed.down, "dW_down");
+  for (int64_t r = 0; r < d.ranks; ++r) {
+    for (size_t s = 0; s < in.topk_idx[r].size(); ++s) {
+      const float want = in.topk_idx[r][s] == kNoExpert ? 0.0f : g0.d_topk_w[r][s];
+      ASSERT_EQ(g.d_topk_w[r][s], want) << "d topk_w[rank " << r << "][slot " << s << "]";
     }
   }
 }
@@ -236,6 +292,9 @@ TEST(Reference, BadInputIsNamed) {
   in = good;
   in.topk_idx[1][3] = 9;
   expect_message([&] { run(in); }, "topk_idx[rank 1][token 1][1] = 9 is out of range [0, 4)");
+  in = good;
+  in.topk_idx[0][2] = -2;  // -1 is an empty slot; nothing else below 0 is an id
+  expect_message([&] { run(in); }, "topk_idx[rank 0][token 1][0] = -2 is out of range [0, 4) and not -1");
   in = good;
   in.x[0].pop_back();
   expect_message([&] { run(in); }, "x[rank 0] has 31 elements, expected 32");

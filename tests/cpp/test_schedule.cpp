@@ -120,10 +120,23 @@ TEST(Schedule, OutOfRangeIdNamesRankTokenAndSlot) {
     build_rank_schedule(d, 0, pointers(idx));
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_STREQ(e.what(), "topk_idx[rank 1][token 1][0] = 4 is out of range [0, 4)");
+    EXPECT_STREQ(e.what(), "topk_idx[rank 1][token 1][0] = 4 is out of range [0, 4) and not -1 (no expert)");
   }
-  idx[1][2] = -1;
+  idx[1][2] = -2;
   EXPECT_THROW(build_rank_schedule(d, 0, pointers(idx)), InvalidArgument);
+}
+
+// -1 leaves a slot empty: no destination's schedule holds it, and the other slots keep their order.
+TEST(Schedule, EmptySlotsAreNoRows) {
+  const MoeDesc d = desc_of(2, 4, 2, 2);  // T=2, E=4, k=2, R=2
+  const std::vector<std::vector<int32_t>> idx = {{3, -1, -1, -1}, {-1, 0, 1, 3}};
+  const auto all = build_schedules(d, pointers(idx));
+  ASSERT_EQ(all[0].real_rows() + all[1].real_rows(), 4);
+  std::vector<std::pair<int64_t, int64_t>> rank1_rows;
+  for (const RouteRow& r : all[1].rows) rank1_rows.emplace_back(r.src_rank, r.src_slot);
+  // Rank 1 owns experts 2 and 3: slot 0 of rank 0 (expert 3) and slot 3 of rank 1 (expert 3).
+  EXPECT_EQ(rank1_rows, (std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {1, 3}}));
+  EXPECT_EQ(all[0].expert_rows, (std::vector<int64_t>{1, 1}));
 }
 
 TEST(Schedule, BadArgumentsAreErrors) {

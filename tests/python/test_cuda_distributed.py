@@ -30,6 +30,7 @@ CASES = [
     td.Case("all_to_one_clamped_recomputed", 257, 4, 512, 256, 2, limit=0.75, routing="all_to_one",
             save_context=False),
     td.Case("one_token", 1, 4, 256, 128, 2),
+    td.Case("empty_slots_shared", 300, 8, 512, 256, 4, shared=128, routing="masked"),
     td.Case("no_tokens", 0, 4, 256, 128, 2, shared=64),
     # fp8: the fp8 megakernel pulls e4m3 rows over NVLink; its backward pulls the bf16 rows again.
     td.Case("zipf_shared_clamped_fp8", 300, 8, 512, 256, 4, shared=128, limit=7.0, routing="zipf", precision="fp8"),

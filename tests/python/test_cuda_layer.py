@@ -29,7 +29,8 @@ def _run(p: testing.MoeProblem, dy: torch.Tensor, save_context: bool = True,
     return [y.detach()] + [t.grad for t in leaves] + ([t.grad for t in shared] if shared else [])
 
 
-@pytest.mark.parametrize("shared_intermediate,limit,routing", [(256, None, "uniform"), (0, 0.75, "zipf")])
+@pytest.mark.parametrize("shared_intermediate,limit,routing", [(256, None, "uniform"), (0, 0.75, "zipf"),
+                                                              (256, None, "masked")])
 def test_matches_the_reference_and_is_bitwise_stable(shared_intermediate: int, limit: float | None,
                                                     routing: str) -> None:
     p = testing.random_problem(300, 16, 512, 256, 4, shared_intermediate=shared_intermediate, swiglu_limit=limit,

@@ -52,6 +52,7 @@ CASES = [
     Case("uniform_shared", 9, 2, 24, 12, 2, shared=8),
     Case("one_expert_per_rank_top1", 7, 1, 16, 8, 1),
     Case("all_tokens_to_rank0", 6, 2, 16, 8, 2, routing="all_to_one"),
+    Case("empty_slots_shared", 11, 2, 16, 8, 3, shared=4, routing="masked"),
     Case("clamped_recomputed", 8, 2, 16, 12, 2, shared=4, limit=0.5, save_context=False),
     Case("one_token_odd_sizes", 1, 3, 17, 5, 3, shared=3),
     Case("no_tokens", 0, 2, 16, 8, 2, shared=4),

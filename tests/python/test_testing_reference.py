@@ -213,10 +213,11 @@ def test_routings_have_the_promised_shape():
     for name in testing.ROUTINGS:
         idx = testing.make_routing(name, T, E, k, generator=gen())
         assert idx.shape == (T, k) and idx.dtype == torch.int64, name
-        assert int(idx.min()) >= 0 and int(idx.max()) < E, name
+        assert int(idx.min()) >= (-1 if name == "masked" else 0) and int(idx.max()) < E, name
         assert torch.equal(idx, testing.make_routing(name, T, E, k, generator=gen())), f"{name} not seeded"
         if name != "duplicates":
-            assert all(len(set(row)) == k for row in idx.tolist()), f"{name}: ids within a token must be distinct"
+            assert all(len({e for e in row if e >= 0}) == sum(e >= 0 for e in row) for row in idx.tolist()), \
+                f"{name}: ids within a token must be distinct"
 
     counts = torch.bincount(testing.route_balanced(T, E, k, generator=gen()).reshape(-1), minlength=E)
     assert torch.all(counts == T * k // E)
@@ -225,6 +226,10 @@ def test_routings_have_the_promised_shape():
 
     zipf_counts = torch.bincount(testing.route_zipf(4096, 64, 8, generator=gen()).reshape(-1), minlength=64)
     assert zipf_counts.max() > 3 * zipf_counts.float().mean(), "zipf routing should be visibly skewed"
+
+    masked = testing.route_masked(T, E, k, generator=gen())
+    empty = masked < 0
+    assert bool(empty[4::5].all()) and 0.2 < float(empty[empty.sum(-1) < k].float().mean()) < 0.3
 
     dup = testing.route_with_duplicates(T, E, k, generator=gen())
     assert any(len(set(row)) < k for row in dup.tolist())

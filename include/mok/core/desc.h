@@ -4,6 +4,9 @@
 // the routed experts [r*E/R, (r+1)*E/R): w_gate[El,I,H], w_up[El,I,H], w_down[El,H,I]; an optional
 // shared expert of width Is replicated on every rank: s_gate[Is,H], s_up[Is,H], s_down[H,Is].
 //   y[t] = shared(x[t]) + sum_j topk_w[t,j] * expert_{topk_idx[t,j]}(x[t])
+// An id of -1 (kNoExpert) leaves slot (t, j) empty: it adds nothing to y and its d topk_w is 0 (its
+// topk_w is checked finite like every other, but never multiplied): tokens routed to fewer than k
+// experts, such as masked, dropped or padding tokens.
 //   expert(x) = down(act(gate x, up x)),  act(g, u) = silu(g) * u
 // With a SwiGLU limit L (gpt-oss style): act(g, u) = silu(min(g, L)) * clamp(u, -L, L).
 #pragma once
@@ -11,6 +14,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+
+#include "mok/core/expert_id.h"
 
 namespace mok {
 

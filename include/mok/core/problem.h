@@ -14,6 +14,7 @@ enum class RoutingKind {
   uniform,     // k distinct experts uniformly at random
   zipf,        // k distinct experts, popularity ~ 1/rank^1.2 over a random expert order
   one_expert,  // every token takes experts 0..k-1: all rows land on rank 0, other ranks get none
+  masked,      // zipf with empty slots (id -1): each slot with probability 1/4, every slot of every 5th token
 };
 const char* to_string(RoutingKind r);
 RoutingKind parse_routing(const std::string& name);  // throws InvalidArgument

@@ -107,14 +107,16 @@ template <class Real>
 void scatter_slot_rows(const RankSchedule& s, int64_t width, const Real* rows,
                        std::span<Real* const> dst);
 
-// y[t] = round(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]), y_shared may be null.
+// y[t] = round(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]), y_shared may be null; the sum skips
+// the empty slots (topk_idx[t*k+j] == kNoExpert: neither the slot nor its weight is read), and
+// topk_idx null means none is empty.
 template <class Real>
 void combine_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* y_shared,
-                      const Real* slots, const Real* topk_w, Real* y, Rounding rounding);
-// dx[t] = round(dx_shared[t] + sum_j slots[t*k+j]), dx_shared may be null.
+                      const Real* slots, const Real* topk_w, const int32_t* topk_idx, Real* y, Rounding rounding);
+// dx[t] = round(dx_shared[t] + sum_j slots[t*k+j]), dx_shared may be null; empty slots skipped as above.
 template <class Real>
 void dispatch_grad_epilogue(int64_t tokens, int64_t hidden, int64_t topk, const Real* dx_shared,
-                            const Real* slots, Real* dx, Rounding rounding);
+                            const Real* slots, const int32_t* topk_idx, Real* dx, Rounding rounding);
 
 // ---- The whole layer over R emulated ranks ----
 

@@ -33,7 +33,8 @@ struct RankSchedule {
   int64_t real_rows() const;
 };
 
-// Throws InvalidArgument naming (rank, token, j) and the value of the first id outside [0, E).
+// Throws InvalidArgument naming (rank, token, j) and the value of the first id outside [0, E)
+// that is not kNoExpert (an empty slot, which no schedule holds).
 void validate_routing(const MoeDesc& desc, int64_t src_rank, std::span<const int32_t> topk_idx);
 
 // topk_idx[r] is rank r's [T*k] expert ids (row-major [T,k]); all R ranks must be given.

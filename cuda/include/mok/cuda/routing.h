@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "mok/core/expert_id.h"
 #include "mok/core/symmetric_layout.h"
 #include "mok/cuda/expert_kernels.h"
 
@@ -180,27 +181,34 @@ void scatter_row_values(const ScatterValuesArgs& args, cudaStream_t stream);
 // fp32, j = 0..k-1 in order, separate round-to-nearest multiply and add (no FMA), one bf16 rounding.
 
 // y[t] = bf16(y_shared[t] + sum_j topk_w[t,j] * slots[t*k+j]); y_shared may be null (then 0 + ...).
+// With topk_idx, the sum skips the empty slots (id -1: neither the slot nor its weight is read).
 struct CombineArgs {
-  int64_t tokens = 0;              // T
-  int64_t hidden = 0;              // H, a multiple of 8
-  int64_t topk = 1;                // k
-  const void* y_shared = nullptr;  // device [T, H] bf16, optional
-  const void* slots = nullptr;     // device [T*k, H] bf16
-  const float* topk_w = nullptr;   // device [T*k] fp32
-  void* y = nullptr;               // device [T, H] bf16 out
+  int64_t tokens = 0;               // T
+  int64_t hidden = 0;               // H, a multiple of 8
+  int64_t topk = 1;                 // k
+  const void* y_shared = nullptr;   // device [T, H] bf16, optional
+  const void* slots = nullptr;      // device [T*k, H] bf16
+  const float* topk_w = nullptr;    // device [T*k] fp32
+  const int32_t* topk_idx = nullptr;  // device [T*k], optional: null means no slot is empty
+  void* y = nullptr;                // device [T, H] bf16 out
   int num_sms = 0;
 };
 std::string can_implement(const CombineArgs& args);
 void combine_epilogue(const CombineArgs& args, cudaStream_t stream);
 
-// dx[t] = bf16(dx_shared[t] + sum_j slots[t*k+j]); dx_shared may be null.
+// dx[t] = bf16(dx_shared[t] + sum_j slots[t*k+j]); dx_shared may be null; with topk_idx, empty
+// slots skipped. With d_topk_w, also d_topk_w[s] = slot_values[s], or 0 where slot s is empty
+// (slot_values may be d_topk_w itself: the empty slots are zeroed in place).
 struct DispatchGradArgs {
   int64_t tokens = 0;
   int64_t hidden = 0;  // a multiple of 8
   int64_t topk = 1;
-  const void* dx_shared = nullptr;  // device [T, H] bf16, optional
-  const void* slots = nullptr;      // device [T*k, H] bf16
-  void* dx = nullptr;               // device [T, H] bf16 out
+  const void* dx_shared = nullptr;      // device [T, H] bf16, optional
+  const void* slots = nullptr;          // device [T*k, H] bf16
+  const int32_t* topk_idx = nullptr;    // device [T*k], optional: null means no slot is empty
+  const float* slot_values = nullptr;   // device [T*k] fp32 (the pushed d topk_w), with d_topk_w
+  float* d_topk_w = nullptr;            // device [T*k] fp32 out, optional
+  void* dx = nullptr;                   // device [T, H] bf16 out
   int num_sms = 0;
 };
 std::string can_implement(const DispatchGradArgs& args);

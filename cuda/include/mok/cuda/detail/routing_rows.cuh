@@ -185,15 +185,20 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
 }
 
 // y[t] = bf16(base[t] + sum_j weight[t,j] * slots[t*k+j]); with weights null the terms are the
-// slots themselves (the dispatch-grad epilogue); with base null the sum starts at 0.
+// slots themselves (the dispatch-grad epilogue); with base null the sum starts at 0; with topk_idx
+// the slots whose id is -1 are skipped. With slot_out (the dispatch-grad epilogue's d topk_w), the
+// thread of a token's first vector also writes slot_out[t*k+j] = slot_in[t*k+j], 0 for empty slots.
 struct EpilogueParams {
   int64_t tokens;
   int32_t topk;
-  int32_t row_vectors;   // H / 8
-  const uint4* base;     // [T, H] or null
-  const uint4* slots;    // [T*k, H]
-  const float* weights;  // [T*k] or null
-  uint4* out;            // [T, H]
+  int32_t row_vectors;      // H / 8
+  const uint4* base;        // [T, H] or null
+  const uint4* slots;       // [T*k, H]
+  const float* weights;     // [T*k] or null
+  const int32_t* topk_idx;  // [T*k] or null
+  const float* slot_in;     // [T*k], with slot_out (may equal it)
+  float* slot_out;          // [T*k] or null
+  uint4* out;               // [T, H]
 };
 
 template <bool kWeighted>
@@ -211,6 +216,9 @@ __global__ void epilogue_kernel(const __grid_constant__ EpilogueParams p) {
     }
     for (int j = 0; j < p.topk; ++j) {
       const int64_t slot = t * p.topk + j;
+      const bool empty = p.topk_idx != nullptr && p.topk_idx[slot] == kNoExpert;
+      if (p.slot_out != nullptr && v == 0) p.slot_out[slot] = empty ? 0.0f : p.slot_in[slot];
+      if (empty) continue;
       float s[8];
       unpack_bf16x8(p.slots[slot * p.row_vectors + v], s);
       if constexpr (kWeighted) {

@@ -3,7 +3,8 @@
 // Every source rank's T*k slots are cut into chunks of kChunkSlots; chunk c of the N = R * chunks
 // is rank c / chunks_per_rank's slots [(c % chunks_per_rank) * kChunkSlots, +kChunkSlots), so chunk
 // order is the canonical (rank, token, j) order. One warp owns one chunk.
-//   1. count:   counts[e][c] = rows of chunk c routed to local expert e (and id validation)
+//   1. count:   counts[e][c] = rows of chunk c routed to local expert e (and id validation: ids in
+//               [0, E) or -1, an empty slot, which no schedule holds)
 //   2. scan:    counts[e][c] <- sum of counts[e][c' < c] (exclusive, in place); expert_rows[e]
 //   3. offsets: expert_offsets = exclusive scan of expert_rows rounded up to kRowAlign
 //   4. place:   each chunk's warp writes its rows at offsets[e] + counts[e][c] + (its rank among
@@ -98,7 +99,7 @@ __global__ void schedule_count_kernel(const __grid_constant__ ScheduleParams p) 
   for (int s = 0; s < kChunkSteps; ++s) {
     const int slot = c.begin + 32 * s + lane;
     const int32_t v = ids[s];
-    if (slot < c.end && (v < 0 || v >= p.num_experts)) {
+    if (slot < c.end && (v < kNoExpert || v >= p.num_experts)) {
       const unsigned position = static_cast<unsigned>(c.rank) * static_cast<unsigned>(p.slots) + slot;
       const unsigned long long key =
           (static_cast<unsigned long long>(0xffffffffu - position) << 32) | static_cast<uint32_t>(v);
