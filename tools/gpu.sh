@@ -110,6 +110,7 @@ if has tests; then
 --preset small --ranks 1 --tokens 1000 --routing balanced --runs 3
 --preset small --ranks 4 --tokens 513 --routing uniform --runs 3
 --preset tiny --ranks 4 --tokens 9 --routing one_expert --runs 3
+--preset small --ranks 2 --tokens 300 --routing masked --runs 3
 --preset tiny --ranks 2 --tokens 0
 --preset tiny --limit 0.5 --ranks 8 --tokens 5 --runs 2
 --preset small --ranks 2 --tokens 300 --runs 3 --precision fp8
@@ -119,6 +120,7 @@ if has tests; then
 --preset small --ranks 2 --tokens 300 --runs 3 --precision fp8_dgrad
 --preset small --ranks 1 --tokens 1000 --routing balanced --limit 7 --runs 2 --precision fp8_dgrad
 --preset small --ranks 4 --tokens 9 --routing one_expert --runs 2 --precision fp8_dgrad
+--preset small --ranks 2 --tokens 300 --routing masked --runs 2 --precision fp8_dgrad
 RUNS
   grep -A12 -m1 "^pass " "$LOGS/mok_run_cuda.log" | tee -a "$LOGS/summary.txt"
 fi

@@ -297,7 +297,7 @@ TEST(RoutingScheduleStatus, OutOfRangeIdIsReportedWithItsFirstPosition) {
   const cuda::RoutingShape shape = shape_of(c);
   const MoeDesc desc = desc_of(c);
   auto idx = routing_of(c, 7);
-  idx[2][0] = -1;                 // later in (rank, token, j) order
+  idx[2][0] = -2;                 // later in (rank, token, j) order (-1 is an empty slot, not an error)
   idx[1][600 * 4 + 3] = INT_MIN;  // later, in another chunk of rank 1
   idx[1][5 * 4 + 1] = 12 + 3;     // the first bad position: rank 1, token 5, j 1
   idx[1][5 * 4 + 2] = INT_MAX;    // same token, later j
@@ -307,7 +307,7 @@ TEST(RoutingScheduleStatus, OutOfRangeIdIsReportedWithItsFirstPosition) {
   } catch (const InvalidArgument& e) {
     cpu_message = e.what();
   }
-  ASSERT_EQ(cpu_message, "topk_idx[rank 1][token 5][1] = 15 is out of range [0, 12)");
+  ASSERT_EQ(cpu_message, "topk_idx[rank 1][token 5][1] = 15 is out of range [0, 12) and not -1 (no expert)");
 
   // Valid ids only: what the GPU schedule must hold (bad ids are skipped).
   auto valid = idx;
