@@ -6,7 +6,7 @@
 # Env: MOK_GTEST_FILTER, MOK_SANITIZE_FILTER (the GPU tests run under compute-sanitizer), MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_1GPU / _2GPU (e.g. "baselines_2gpu:tokens=8192", "fp8_1gpu"),
 # MOK_BENCH_IMPLS (bench_1gpu: e.g. "mok,torch_a2a"), MOK_DEADLINE_S.
-# Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed,fp8}.py), timing, mk_timing
+# Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed,fp8}.py, test_domains.py's GPU tests), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, train (bench/train.py, MOK_TRAIN_RUNS), bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
 # scaling (the layer at R = 1, 2, 4, 8 GPUs as far as the machine goes, then bench.scaling's table).
@@ -138,9 +138,10 @@ if has pytest; then
   # mok._C, then the Python GPU tests.
   if build_python_ext; then
     python3 -c "import pytest" 2>/dev/null || export PYTHONPATH="$DEPS/pypkgs:$PYTHONPATH"  # carried by setup.sh
-    # 240 s for the 2-GPU machine; the every-GPU case adds up to 400 s on 4 and 8 GPUs.
-    pytest_s=240; (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 4 )) && pytest_s=640
+    # 360 s for the 2-GPU machine; the every-GPU case adds up to 400 s on 4 and 8 GPUs.
+    pytest_s=360; (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 4 )) && pytest_s=760
     if timeout --kill-after=10 "$(left $pytest_s)" python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_layer.py tests/python/test_cuda_distributed.py tests/python/test_cuda_fp8.py \
+         tests/python/test_domains.py::test_domains_sharing_one_gpu tests/python/test_domains.py::test_domains_on_gpus \
          > "$LOGS/pytest_gpu.log" 2>&1; then
       log "python gpu tests ok"
     else

@@ -33,7 +33,7 @@ Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import torch
@@ -95,6 +95,10 @@ class MoeConfig:
     # The GPU backward as one megakernel launch (True) or as stage kernels (False): the same bits.
     fused_backward: bool | None = None
     precision: str | None = None  # None / "bf16", "fp8" (GPU; bf16 backward) or "fp8_dgrad" (GPU; e4m3 data gradients)
+    # Ranks per NVLink domain when the group spans several (nodes): the layer runs in two levels,
+    # an all-gather / all-to-all across domains through the group's engine (NCCL) and the
+    # megakernel within each (mok/_domains.py). None: one domain. Must divide the group's size.
+    domain_size: int | None = None
 
 
 class Schedule(NamedTuple):
@@ -110,8 +114,8 @@ class Schedule(NamedTuple):
     row_src_slot: Tensor  # [M] int32: its slot t*k + j there
     recv_order: Tensor  # [M] int64: the schedule row of each received row (rows arrive by source rank)
     recv_counts: Tensor  # [R] int64: rows received from each rank
-    send_order: Tensor  # [T*k] int64: this rank's slots in the order they are sent
-    send_counts: Tensor  # [R] int64: rows sent to each rank
+    send_order: Tensor  # [T*k] int64: this rank's slots in the order they are sent, empty slots (id -1) last
+    send_counts: Tensor  # [R] int64: rows sent to each rank (their sum: the routed slots)
 
     @property
     def num_rows(self) -> int:
@@ -230,6 +234,10 @@ def _check_config(config: object) -> None:
         elif f.name == "precision":
             if value not in PRECISIONS:
                 raise ValueError(f"MoeConfig.precision must be one of {PRECISIONS}, got {value!r}")
+        elif f.name == "domain_size":
+            _int_or_none(value, "MoeConfig.domain_size")
+            if value is not None and value < 1:
+                raise ValueError(f"MoeConfig.domain_size must be >= 1, got {value}")
         else:
             _int_or_none(value, f"MoeConfig.{f.name}")
 
@@ -489,6 +497,46 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
                 save_context, config)
 
 
+def _moe_domains(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                 shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+                 save_context: bool, config: MoeConfig) -> Tensor:
+    """The layer over several NVLink domains (``config.domain_size`` ranks each; mok/_domains.py)."""
+    from . import _domains
+
+    ep = _dist.resolve(group_name)
+
+    def check() -> _dist.Values:
+        s_gate, s_up, s_down, shape, _ = _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit,
+                                                    config, ranks)
+        L = config.domain_size
+        assert L is not None
+        if ranks % L != 0:
+            raise ValueError(f"MoeConfig.domain_size={L} must divide the expert-parallel group's {ranks} ranks")
+        if not x.is_cuda:  # (on the GPU a bad id is the one-domain call's sticky error: no host sync here)
+            bad = (topk_idx < -1) | (topk_idx >= shape.local_experts * ranks)
+            if bool(bad.any()):
+                t, j = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in "
+                                 f"[0, {shape.local_experts * ranks}) nor -1 (no expert)")
+        return {"tokens per rank (T)": shape.tokens, "hidden (H)": shape.hidden,
+                "intermediate (I)": shape.intermediate, "local experts (El)": shape.local_experts,
+                "top-k (k)": shape.topk, "shared intermediate": shape.shared_intermediate,
+                "MoeConfig.domain_size": L}
+
+    _dist.agree(ep, "domains", check)
+    inner = replace(config, domain_size=None)
+
+    def one_domain(x_: Tensor, idx: Tensor, w: Tensor, wg: Tensor, wu: Tensor, wd: Tensor,
+                   shared_: SharedWeights | None, within: dist.ProcessGroup | None) -> Tensor:
+        if within is not None and dist.get_world_size(within) == 1:
+            within = None
+        return moe(x_, idx, w, wg, wu, wd, shared_, swiglu_limit=swiglu_limit, group=within,
+                   save_context=save_context, config=inner)
+
+    assert ep.pg is not None and config.domain_size is not None
+    return _domains.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, ep.pg, config.domain_size, one_domain)
+
+
 def _is_fake(t: Tensor) -> bool:
     """FakeTensors (shape propagation, torch.compile tracing) take the ops path, whose fake
     implementations give the shapes; only real GPU tensors go to the C API."""
@@ -501,6 +549,9 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
          shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
          save_context: bool, config: MoeConfig | None = None) -> Tensor:
     args = (x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks, save_context, config)
+    domain_size = config.domain_size if isinstance(config, MoeConfig) else None
+    if domain_size is not None and domain_size != ranks and group_name:
+        return _moe_domains(*args)
     if isinstance(x, Tensor) and x.is_cuda:
         return _moe_cuda(*args)
     return _moe_ops(*args)
@@ -569,7 +620,7 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
         if bad:
             raise ValueError(f"mok.moe: precision={_precision(config)!r} needs whole 128-column scale blocks: "
                              + ", ".join(f"{name} {n}" for name, n in bad.items()) + " is not a multiple of 128")
-    if all(getattr(config, f.name) is None for f in fields(MoeConfig) if f.name != "precision"):
+    if all(getattr(config, f.name) is None for f in fields(MoeConfig) if f.name not in ("precision", "domain_size")):
         return None  # the planner's defaults: the same workspace as no config
     # T = 0 runs nothing, but its config is checked as for one token.
     desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,

@@ -59,11 +59,11 @@ TEST(MoeDesc, EachBadFieldIsNamed) {
   d.num_experts = 0;
   expect_invalid(d, "num_experts must be in [1, 65536], got 0");
   d = valid();
-  d.topk = 5;
-  expect_invalid(d, "topk must be in [1, num_experts=4], got 5");
+  d.topk = 5;  // more slots than experts: repeated ids and empty slots make it meaningful
+  EXPECT_NO_THROW(d.validate());
   d = valid();
   d.topk = 0;
-  expect_invalid(d, "topk must be in [1, num_experts=4], got 0");
+  expect_invalid(d, "topk must be >= 1, got 0");
   d = valid();
   d.ranks = 3;
   expect_invalid(d, "num_experts=4 must be divisible by ranks=3");

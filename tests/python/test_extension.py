@@ -33,7 +33,7 @@ def test_desc_fields_and_printing() -> None:
     "overrides, message",
     [
         (dict(num_experts=3), "num_experts=3 must be divisible by ranks=2"),
-        (dict(topk=5), "topk must be in [1, num_experts=4], got 5"),
+        (dict(topk=0), "topk must be >= 1, got 0"),
         (dict(tokens_per_rank=-1), "tokens_per_rank must be >= 0, got -1"),
         (dict(hidden=0), "hidden must be in"),
         (dict(swiglu_limit=-1.0), "swiglu_limit must be a finite value > 0"),

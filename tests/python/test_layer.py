@@ -61,6 +61,7 @@ CASES = [
     Case("clamped_swiglu", 20, 4, 16, 12, 2, shared=8, limit=0.5),
     Case("duplicate_ids", 8, 4, 16, 8, 3, routing="duplicates"),
     Case("empty_slots", 21, 6, 16, 8, 3, shared=8, routing="masked"),
+    Case("topk_above_experts", 7, 3, 16, 8, 5, routing="duplicates"),
     Case("topk_equals_experts", 6, 3, 16, 8, 3),
     Case("no_tokens", 0, 4, 16, 8, 2, shared=8),
 ] + [
@@ -146,7 +147,7 @@ def reference_layer(case: Case, p: testing.MoeProblem, dy: torch.Tensor) -> dict
                 "d_s_down": out["d_shared_down"][0]} if p.shared else {})}
 
 
-@pytest.mark.parametrize("case", CASES[:13], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES[:14], ids=lambda c: c.name)
 def test_bitwise_equal_to_cpp_reference(case: Case) -> None:
     p, dy = case.problem(), case.output_grad()
     ours = run_autograd(case, p, dy)

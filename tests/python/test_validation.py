@@ -57,8 +57,6 @@ BAD_MOE_INPUTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type
      "topk_idx[3, 0] = 4 is not an expert id in [0, 4)"),
     ("negative expert id", lambda a: dict(topk_idx=a["topk_idx"].index_fill(0, torch.tensor([0]), -2)), ValueError,
      "topk_idx[0, 0] = -2 is not an expert id in [0, 4) nor -1 (no expert)"),
-    ("top-k above E", lambda a: dict(topk_idx=torch.zeros(T, 5, dtype=torch.int64), topk_w=torch.ones(T, 5)),
-     ValueError, "topk must be in [1, num_experts=4], got 5"),
     ("strided weight", lambda a: dict(w_down=a["w_down"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
      "w_down must be contiguous (row-major [El=4, H=16, I=8])"),
     ("device", lambda a: dict(w_gate=a["w_gate"].to("meta")), ValueError,
@@ -122,8 +120,8 @@ def test_functional_api_rejects() -> None:
     ws = mok.get_workspace(None, None, **kwargs)
     with pytest.raises(TypeError, match="num_local_tokens must be an int, got float"):
         mok.get_workspace(None, None, **{**kwargs, "num_local_tokens": 6.0})
-    with pytest.raises(ValueError, match="topk must be in \\[1, num_experts=4\\], got 9"):
-        mok.get_workspace(None, None, **{**kwargs, "topk": 9})
+    with pytest.raises(ValueError, match="topk must be >= 1, got 0"):
+        mok.get_workspace(None, None, **{**kwargs, "topk": 0})
     with pytest.raises(TypeError, match="config must be a mok.MoeConfig or None, got dict"):
         mok.get_workspace({}, None, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="minibatch_rows must be a positive multiple of the row tile 128"):
