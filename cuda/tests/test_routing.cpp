@@ -351,11 +351,11 @@ TEST(RoutingScheduleStatus, OutOfRangeIdIsReportedWithItsFirstPosition) {
     }
   }
   cudaMemset(ds.status.ptr, 0, sizeof(cuda::RoutingStatus));
-  idx[0][0] = -1;  // position 0 itself
+  idx[0][0] = -3;  // position 0 itself
   const DeviceRouting droute0(idx);
   cuda::build_schedule(ds.args(2, droute0.ptrs), nullptr);
   EXPECT_EQ(cuda::read_routing_status(ds.status.ptr, shape, nullptr),
-            "topk_idx[rank 0][token 0][0] = -1 is out of range [0, 12)");
+            "topk_idx[rank 0][token 0][0] = -3 is out of range [0, 12) and not -1 (no expert)");
 }
 
 TEST(RoutingStatusCheck, NonFiniteInputsAreNamedOnEveryRankFirstIndexFirst) {
