@@ -121,7 +121,8 @@ int rows_grid(int64_t items, int items_per_block, int num_sms, int per_sm) {
 }  // namespace
 
 int64_t routed_row_capacity(const RoutingShape& s) {
-  return s.ranks * s.slots() + s.local_experts() * (kRowAlign - 1);
+  const int64_t rows = s.ranks * s.slots() + s.local_experts() * (kRowAlign - 1);
+  return (rows + 3) / 4 * 4;  // the fp8 kernels' row scales are planes of rows of 16-byte lines
 }
 
 std::string describe(const RoutingStatus& status, const RoutingShape& shape) {

@@ -683,7 +683,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_token", fp8_desc(2, 1, 256, 128, 8, 2), RoutingKind::uniform},
                       Case{"R4_zipf", fp8_desc(4, 100, 256, 384, 16, 4), RoutingKind::zipf},
                       Case{"R2_wide", fp8_desc(2, 96, 2048, 768, 16, 8), RoutingKind::uniform},
-                      Case{"R2_empty_slots", fp8_desc(2, 300, 512, 256, 16, 4), RoutingKind::masked}),
+                      Case{"R2_empty_slots", fp8_desc(2, 300, 512, 256, 16, 4), RoutingKind::masked},
+                      // One expert, top-1: 300 + 127 rows of capacity, rounded up to 428 for the fp8 dgrad.
+                      Case{"R1_one_expert_top1", fp8_desc(1, 300, 512, 256, 1, 1), RoutingKind::uniform}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The backward's outputs of two runs, bit for bit: dx and d topk_w of every rank, then the weight

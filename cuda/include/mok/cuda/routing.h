@@ -43,7 +43,8 @@ struct RoutingShape {
 };
 
 // Rows a destination rank's schedule and row buffers need for any routing: R*T*k real rows plus
-// at most kRowAlign-1 padding rows per local expert. Equals mok::schedule_capacity_rows(desc, kRowAlign).
+// at most kRowAlign-1 padding rows per local expert (mok::schedule_capacity_rows(desc, kRowAlign)),
+// rounded up to a multiple of 4 (the fp8 stage kernels' row scales: 16-byte lines).
 int64_t routed_row_capacity(const RoutingShape& shape);
 
 // Sticky device status of the schedule build. Zero (cudaMemset 0) means every expert id seen was
