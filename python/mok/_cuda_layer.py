@@ -121,7 +121,13 @@ class _Workspace:
             except Exception:  # not needed on newer torch
                 pass
             self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device).zero_()
-            self.handle = symm_mem.rendezvous(self.buffer, ep.pg)
+            try:
+                self.handle = symm_mem.rendezvous(self.buffer, ep.pg)
+            except Exception as error:  # noqa: BLE001  (re-raised with what to do)
+                raise RuntimeError(
+                    f"mok: torch symmetric memory over the expert-parallel group failed ({error}); the "
+                    "megakernel's ranks must share one NVLink domain: for a group over several nodes, give "
+                    "config=mok.MoeConfig(domain_size=<ranks per NVLink domain>)") from error
             self.bases = [int(self.handle.buffer_ptrs[r]) for r in range(R)]
             # Every rank's zeros are in place before any rank's first call writes a flag into them.
             torch.cuda.synchronize(device)
