@@ -603,7 +603,8 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
 }
 
 // The backward of the forward that kept `ctx_*` (a keep_rows handle): every rank has written its
-// dy and topk_w into its symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
+// dy, topk_w and that forward's topk_idx (the dx sum and d topk_w skip its empty slots) into its
+// symmetric buffer. Weight gradients are fp32 (d_w_bf16 = 0) or bf16, and
 // overwritten. replay = 1: the forward kept only its schedule (a replay context), every rank has
 // written its x again too, and ctx_x_rows, ctx_h and ctx_gu are scratch the call fills first
 // (megakernel.h: MoeBackwardArgs::replay). On an fp8 handle the context is the fp8 forward's h and

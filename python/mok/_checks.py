@@ -56,6 +56,16 @@ def check_tensor(t: object, name: str, dtypes: Sequence[torch.dtype], dims: Sequ
     return t
 
 
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Raises ValueError naming the first id that is neither an expert of ``[0, num_experts)`` nor -1
+    (an empty slot); a host check (the GPU layer checks its ids on the device)."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        t, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in [0, {num_experts}) "
+                         "nor -1 (no expert)")
+
+
 def check_finite(t: torch.Tensor, name: str) -> None:
     """Raises ValueError naming the first NaN or infinite element of t (the CPU path: a host check)."""
     bad = ~torch.isfinite(t)

@@ -130,11 +130,7 @@ def build_schedule(topk_idx: Tensor, num_experts: int, group_name: str) -> _Sche
         if num_experts < 1 or num_experts % group.size != 0:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the expert-parallel "
                              f"group size {group.size}")
-        bad = (topk_idx < -1) | (topk_idx >= num_experts)
-        if bool(bad.any()):
-            t, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in [0, {num_experts}) "
-                             "nor -1 (no expert)")
+        _checks.check_expert_ids(topk_idx, num_experts)
         # The schedule depends on T, k, E and R only; H and I are placeholders.
         _C.MoeDesc(tokens_per_rank=tokens, hidden=1, intermediate=1, num_experts=num_experts, topk=topk,
                    ranks=group.size).validate()

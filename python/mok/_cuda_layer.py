@@ -263,8 +263,10 @@ class _FusedMoe(torch.autograd.Function):
         ctx.fp8_operands, ctx.shared_fp8_operands = operands, shared_operands
         # x only where the backward reads it: the replay and the fp8 backward pull it again, the
         # shared expert's rows hold it.
-        ctx.save_for_backward(topk_idx, topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None, s_gate,
-                              s_up, s_down, *kept)
+        # The backward writes this call's topk_idx into the buffer again (another call may have
+        # replaced it): a private copy, so the caller may reuse its routing tensor in between.
+        ctx.save_for_backward(ws.topk_idx.clone(), topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None,
+                              s_gate, s_up, s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
@@ -299,7 +301,7 @@ class _FusedMoe(torch.autograd.Function):
             ws.x.copy_(x)
         ws.dy.copy_(dy)
         ws.topk_w.copy_(topk_w)
-        ws.topk_idx.copy_(topk_idx)  # the dx sum and d topk_w skip the empty slots (another call may have run here)
+        ws.topk_idx.copy_(topk_idx)  # the dx sum and d topk_w skip its empty slots
         El, I, _ = w_gate.shape
         dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
         d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)

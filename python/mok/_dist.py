@@ -78,15 +78,23 @@ def resolve(name: str) -> EpGroup:
     return EpGroup(name, rank, dist.get_world_size(pg))
 
 
-def _encode(value: float | int | None) -> float:
+# The words a record may hold (a precision), as -2, -3, ...: no valid number is negative.
+_WORDS = ("bf16", "fp8", "fp8_dgrad")
+
+
+def _encode(value: float | int | str | None) -> float:
     # Records are float64: integers up to 2**53 are exact; None (an absent swiglu_limit) is -1,
-    # which no valid value takes.
+    # which no valid value takes, and the known words -2 - their index.
     if value is None:
         return -1.0
+    if isinstance(value, str):
+        if value not in _WORDS:
+            raise AssertionError(f"agree(): no encoding for the word {value!r}")
+        return -2.0 - _WORDS.index(value)
     return float(value)
 
 
-Values = dict[str, float | int | None]
+Values = dict[str, float | int | str | None]
 
 
 def agree(group: EpGroup, step: str, check: Callable[[], Values]) -> None:
@@ -150,6 +158,8 @@ def _exchange(group: EpGroup, step: str, error: Exception | None, values: Values
 def _show(v: float) -> str:
     if v == -1.0:
         return "None"
+    if v <= -2.0 and v == int(v) and int(-2 - v) < len(_WORDS):
+        return repr(_WORDS[int(-2 - v)])
     return str(int(v)) if v == int(v) else repr(v)
 
 

@@ -7,7 +7,8 @@ rank ``r = d*L + l`` is rank l of domain d and owns experts ``[r*El, (r+1)*El)``
 megakernel's group) and ``across`` (the D ranks with the same l: the inter-domain hop, through
 the process group's engine, NCCL on GPUs, gloo on the CPU).
 
-Forward on rank (d, l), fixed sizes, no host synchronization:
+Forward on rank (d, l), fixed sizes, no host synchronization on the GPU after the first call of
+a shape (its agreement over the group, in mok/functional.py):
   1. across: every rank's x [T,H], topk_idx and topk_w reach rank l of every domain (one
      all-gather each), so rank (d, l) holds the D*T tokens of the ranks (s, l), s = 0..D-1.
   2. within: the one-domain layer (:func:`mok.moe` over ``within``) on those D*T tokens, with
@@ -29,7 +30,7 @@ or NVSHMEM's device-side all-to-all).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -124,25 +125,30 @@ class _Gather(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     """Forward: partials [D, T, H] (block s: this domain's partial y of ``across`` rank s's tokens)
     go back to their ranks; y = base + the D partials received, fp32 in order, one rounding.
-    Backward: every rank's dy to every domain (an all-gather); base gets dy."""
+    Backward: ``check_dy(dy)`` (over the whole group), then every rank's dy to every domain (an
+    all-gather); base gets dy."""
 
     @staticmethod
-    def forward(ctx: Any, partials: Tensor, base: Tensor | None, across: dist.ProcessGroup) -> Tensor:
-        ctx.across, ctx.has_base = across, base is not None
+    def forward(ctx: Any, partials: Tensor, base: Tensor | None, across: dist.ProcessGroup,
+                check_dy: Callable[[Tensor], None]) -> Tensor:
+        ctx.across, ctx.has_base, ctx.check_dy = across, base is not None, check_dy
         return _ordered_sum(_all_to_all(across, partials), base, partials.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         assert dy is not None
         dy = dy.contiguous()
-        return _all_gather(ctx.across, dy), (dy if ctx.has_base else None), None
+        ctx.check_dy(dy)
+        return _all_gather(ctx.across, dy), (dy if ctx.has_base else None), None, None
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-        shared: Sequence[Tensor] | None, group: dist.ProcessGroup, domain_size: int, one_domain: Any) -> Tensor:
+        shared: Sequence[Tensor] | None, group: dist.ProcessGroup, domain_size: int, one_domain: Any,
+        check_dy: Callable[[Tensor], None]) -> Tensor:
     """The layer over ``group`` as domains of ``domain_size`` ranks (checked by the caller on every
     rank). ``one_domain(x, idx, w, w_gate, w_up, w_down, shared, group)`` is the one-domain layer
-    (:func:`mok.moe` with the call's SwiGLU limit, save_context and config)."""
+    (:func:`mok.moe` with the call's SwiGLU limit, save_context and config); ``check_dy(dy)`` checks
+    the backward's dy before any exchange (the caller's agreement over the whole group)."""
     within, across = subgroups(group, domain_size)
     domains = dist.get_world_size(across)
     d = dist.get_rank(group) // domain_size
@@ -169,4 +175,4 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
         first = torch.zeros(T, 1, dtype=topk_idx.dtype, device=x.device)
         y_shared = one_domain(x, first, ones, *(w.unsqueeze(0) for w in shared), None, None)
     # 3. The partials back to their sources, summed in domain order.
-    return _Combine.apply(partials.reshape(domains, T, H), y_shared, across)
+    return _Combine.apply(partials.reshape(domains, T, H), y_shared, across, check_dy)

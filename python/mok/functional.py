@@ -17,7 +17,8 @@ Two levels:
 
 Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a group):
 
-- ``x`` bf16 ``[T,H]``; ``topk_idx`` int32/int64 ``[T,k]`` global expert ids; ``topk_w`` fp32 ``[T,k]``.
+- ``x`` bf16 ``[T,H]``; ``topk_idx`` int32/int64 ``[T,k]`` global expert ids, -1 for an empty slot;
+  ``topk_w`` fp32 ``[T,k]``.
 - Rank r owns experts ``[r*El, (r+1)*El)``: ``w_gate, w_up [El,I,H]``, ``w_down [El,H,I]``; the
   optional shared expert ``shared = (s_gate [Is,H], s_up [Is,H], s_down [H,Is])``, replicated.
 - Weights are bf16 or fp32; the layer computes with them rounded to bf16 (fp32 parameters act as
@@ -25,7 +26,10 @@ Conventions (per rank r of the expert-parallel group of R ranks; R = 1 without a
 - ``y`` and ``dx`` are bf16; ``d_topk_w`` fp32. Results are bitwise deterministic and do not depend
   on R: the CPU path equals the C++ reference (``include/mok/core/reference.h``) bit for bit.
 - Every call with a group is collective: all ranks make the same calls with the same shapes.
-  Bad input on one rank raises on every rank (naming that rank), never hangs the others.
+  Bad input on one rank raises on every rank (naming that rank), never hangs the others. (On the
+  GPU a call after the first of its shapes checks locally; the one-domain layer's peers then stop
+  at its bounded start barrier, the several-domains layer's wait in the exchange until the process
+  group's timeout.)
 - The shared expert's and the router's gradients are this rank's contribution (as for any
   replicated parameter); the routed experts' gradients already include every rank's tokens, so
   data-parallel gradient averaging must not sum them again over the expert-parallel group.
@@ -66,9 +70,11 @@ SharedWeights = tuple[Tensor, Tensor, Tensor]
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Overrides of the planner's choices (``None``: the planner's default, see ``Workspace.explanation``).
+    """Overrides of the planner's choices (``None``: the planner's default, see ``Workspace.explanation``),
+    the experts' precision and the NVLink domains of the group.
 
     The planner's fields shape the GPU megakernel's pipeline; results do not depend on them.
+    ``domain_size`` does (its own rounding of each domain's partial sum: mok/_domains.py).
     ``precision`` does: None or "bf16" (the default), or "fp8": block-scaled e4m3 experts (1 x 128
     scales on x and h, 128 x 128 on the weights, each k-block promoted into fp32; the fp8 megakernel
     pulls half the bytes). fp8 runs on the GPU, with hidden and intermediate multiples of 128; the
@@ -275,6 +281,9 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
 
     def check() -> _dist.Values:
         _check_config(config)
+        if config.domain_size not in (None, ep.size):
+            raise ValueError(f"MoeConfig.domain_size={config.domain_size}: the explicit passes run one NVLink domain; "
+                             "the layer over several domains is mok.moe / mok.MoE")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -407,7 +416,7 @@ def _checked(group_name: str, step: str, check: Callable[[], _R]) -> _R:
 
 def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
     """The routing schedule of one pass; collective. ``topk_idx`` int32/int64 ``[T,k]``, global expert ids
-    in ``[0, E)`` (ValueError naming the first one that is not)."""
+    in ``[0, E)`` or -1 (an empty slot; ValueError naming the first id that is neither)."""
     ws = _check_workspace(workspace)
     _checked(ws.group_name, "build_schedule", lambda: _checks.check_tensor(
         topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device))
@@ -504,27 +513,43 @@ def _moe_domains(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_
     from . import _domains
 
     ep = _dist.resolve(group_name)
+    on_gpu = isinstance(x, Tensor) and x.is_cuda
 
     def check() -> _dist.Values:
         s_gate, s_up, s_down, shape, _ = _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit,
                                                     config, ranks)
         L = config.domain_size
         assert L is not None
-        if ranks % L != 0:
-            raise ValueError(f"MoeConfig.domain_size={L} must divide the expert-parallel group's {ranks} ranks")
-        if not x.is_cuda:  # (on the GPU a bad id is the one-domain call's sticky error: no host sync here)
-            bad = (topk_idx < -1) | (topk_idx >= shape.local_experts * ranks)
-            if bool(bad.any()):
-                t, j = (int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is not an expert id in "
-                                 f"[0, {shape.local_experts * ranks}) nor -1 (no expert)")
+        if not on_gpu:
+            # The values, here over the whole group: inside the domains' calls a bad value would
+            # raise in one domain while the others wait in the exchange. (On the GPU they are the
+            # calls' sticky device errors: no host sync.)
+            _checks.check_expert_ids(topk_idx, shape.local_experts * ranks)
+            for t, name in ((x, "x"), (topk_w, "topk_w"), (w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down"),
+                            (s_gate, "shared w_gate"), (s_up, "shared w_up"), (s_down, "shared w_down")):
+                if t is not None:
+                    _checks.check_finite(t, name)
         return {"tokens per rank (T)": shape.tokens, "hidden (H)": shape.hidden,
                 "intermediate (I)": shape.intermediate, "local experts (El)": shape.local_experts,
                 "top-k (k)": shape.topk, "shared intermediate": shape.shared_intermediate,
-                "MoeConfig.domain_size": L}
+                "swiglu_limit": swiglu_limit, "MoeConfig.precision": _precision(config), "MoeConfig.domain_size": L}
 
-    _dist.agree(ep, "domains", check)
+    # On the GPU the first call of these shapes and options agrees over the group (a host sync),
+    # later ones check locally, as the one-domain layer does (_moe_cuda).
+    key = (group_name, tuple(x.shape), tuple(topk_idx.shape), tuple(w_gate.shape),
+           tuple(tuple(w.shape) for w in shared) if isinstance(shared, (tuple, list)) else None, swiglu_limit,
+           config, str(x.device))
+    if on_gpu and key in _DOMAIN_AGREEMENTS:
+        check()
+    else:
+        _dist.agree(ep, "domains", check)
+        if on_gpu:
+            _DOMAIN_AGREEMENTS.add(key)
     inner = replace(config, domain_size=None)
+
+    def check_dy(dy: Tensor) -> None:  # the backward's dy, over the whole group (the CPU's host check)
+        if not dy.is_cuda:
+            _dist.agree(ep, "domains", lambda: (_checks.check_finite(dy, "dy"), {})[1])
 
     def one_domain(x_: Tensor, idx: Tensor, w: Tensor, wg: Tensor, wu: Tensor, wd: Tensor,
                    shared_: SharedWeights | None, within: dist.ProcessGroup | None) -> Tensor:
@@ -534,7 +559,11 @@ def _moe_domains(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_
                    save_context=save_context, config=inner)
 
     assert ep.pg is not None and config.domain_size is not None
-    return _domains.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, ep.pg, config.domain_size, one_domain)
+    return _domains.moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, ep.pg, config.domain_size, one_domain,
+                        check_dy)
+
+
+_DOMAIN_AGREEMENTS: set[tuple[object, ...]] = set()
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -550,6 +579,11 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
          save_context: bool, config: MoeConfig | None = None) -> Tensor:
     args = (x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks, save_context, config)
     domain_size = config.domain_size if isinstance(config, MoeConfig) else None
+    if isinstance(domain_size, int) and not isinstance(domain_size, bool) and domain_size >= 1 and ranks % domain_size:
+        def bad_domain_size() -> None:
+            raise ValueError(f"MoeConfig.domain_size={domain_size} must divide the expert-parallel group's {ranks} "
+                             "ranks")
+        _checked(group_name, "build_schedule", bad_domain_size)
     if domain_size is not None and domain_size != ranks and group_name:
         return _moe_domains(*args)
     if isinstance(x, Tensor) and x.is_cuda:

@@ -46,6 +46,8 @@ double Rng::normal() {
 std::vector<std::vector<int32_t>> make_routing(const MoeDesc& desc, RoutingKind kind, uint64_t seed) {
   desc.validate();
   const int64_t R = desc.ranks, T = desc.tokens_per_rank, k = desc.topk, E = desc.num_experts;
+  MOK_REQUIRE(kind == RoutingKind::balanced || k <= E, "routing ", to_string(kind), " picks k distinct experts: ",
+              "topk=", k, " exceeds num_experts=", E, " (balanced takes any k)");
   std::vector<std::vector<int32_t>> idx(static_cast<size_t>(R), std::vector<int32_t>(static_cast<size_t>(T * k)));
   Rng rng(seed ^ 0x5eedull);
   std::vector<double> weight(static_cast<size_t>(E), 1.0);

@@ -252,6 +252,19 @@ def check_explicit_passes_and_module(rank: int, size: int) -> None:
     assert torch.equal(swapped(p.x[rank], p.topk_idx[rank], p.topk_w[rank]), ours["y"])
 
 
+def check_agreement_on_words(rank: int, size: int) -> None:
+    """The GPU workspace's agreement carries the precision as a word: equal words pass, different
+    ones are named (the CPU path never sends a word, so this is its only test without GPUs)."""
+    from mok import _dist
+
+    ep = _dist.resolve(dist.group.WORLD.group_name)
+    _dist.agree(ep, "cuda_workspace", lambda: {"MoeConfig precision": "fp8_dgrad", "swiglu_limit": None})
+    if size > 1:
+        expect_error("different precisions", ValueError, "disagree on MoeConfig precision (rank 0: 'bf16', rank 1: 'fp8'",
+                     lambda: _dist.agree(ep, "cuda_workspace",
+                                         lambda: {"MoeConfig precision": "bf16" if rank == 0 else "fp8"}))
+
+
 def check_subgroups(rank: int, size: int) -> None:
     """Two EP subgroups of 2 ranks ({0,2} and {1,3}), each its own layer: each equals its reference."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -334,6 +347,7 @@ def worker(rank: int, size: int, init_file: str, result_dir: str, with_compile: 
             ours = run_layer(case, p, world, rank, size)
             check_against_references(case, p, ours, rank, size, "world")
         check_bad_input_raises_everywhere(rank, size)
+        check_agreement_on_words(rank, size)
         check_explicit_passes_and_module(rank, size)
         if size == 4:
             check_subgroups(rank, size)

@@ -96,6 +96,30 @@ def check_bad_domain_size(rank: int, size: int) -> None:
     td.expect_error("a bad expert id", ValueError, message,
                     lambda: mok.moe(p.x[rank], idx, p.topk_w[rank], *weights, group=dist.group.WORLD,
                                     config=mok.MoeConfig(domain_size=1)))
+    # A NaN weight on one rank, checked before the exchange: every rank raises.
+    bad = [w.clone() for w in weights]
+    if rank == 1:
+        bad[0][0, 1, 2] = float("nan")
+    td.expect_error("a NaN weight", ValueError, "w_gate[0][1][2] is not finite" if rank == 1 else "rank 1",
+                    lambda: mok.moe(p.x[rank], p.topk_idx[rank], p.topk_w[rank], *bad, group=dist.group.WORLD,
+                                    config=mok.MoeConfig(domain_size=1)))
+    # Options every domain must share: the SwiGLU limit.
+    td.expect_error("different SwiGLU limits", ValueError, "disagree on swiglu_limit",
+                    lambda: mok.moe(p.x[rank], p.topk_idx[rank], p.topk_w[rank], *weights, group=dist.group.WORLD,
+                                    swiglu_limit=None if rank == 0 else 0.5, config=mok.MoeConfig(domain_size=1)))
+    # A NaN in one rank's dy: every rank's backward raises before the exchange.
+    x = p.x[rank].clone().requires_grad_()
+    y = mok.moe(x, p.topk_idx[rank], p.topk_w[rank], *weights, group=dist.group.WORLD,
+                config=mok.MoeConfig(domain_size=1))
+    dy = p.dy[rank].clone()
+    if rank == 1:
+        dy[3, 4] = float("nan")
+    td.expect_error("a NaN in dy", ValueError, "dy[3][4] is not finite" if rank == 1 else "rank 1",
+                    lambda: y.backward(dy))
+    # Without a group, or with a size that does not divide R: named.
+    td.expect_error("domain_size without a group", ValueError, "must divide the expert-parallel group's 1 ranks",
+                    lambda: mok.moe(p.x[rank], p.topk_idx[rank], p.topk_w[rank], *(t for t in p.weights),
+                                    config=mok.MoeConfig(domain_size=2)))
 
 
 def worker(rank: int, size: int, init_file: str, result_dir: str, domain_size: int) -> None:
@@ -106,7 +130,9 @@ def worker(rank: int, size: int, init_file: str, result_dir: str, domain_size: i
                                 timeout=datetime.timedelta(seconds=60))
         for case in CASES:
             check_case(case, rank, size, domain_size)
-        # The calls took the two-level path: its subgroups exist, of the asked sizes.
+        # The calls took the two-level path: it made its subgroups (looked up here, not made), of the
+        # asked sizes.
+        assert (dist.group.WORLD.group_name, domain_size) in _domains._GROUPS
         within, across = _domains.subgroups(dist.group.WORLD, domain_size)
         assert (dist.get_world_size(within), dist.get_world_size(across)) == (domain_size, size // domain_size)
         assert len(_domains._GROUPS) == 1

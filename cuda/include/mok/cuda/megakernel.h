@@ -113,7 +113,7 @@ struct MoeForwardArgs {
 
 // The backward of a forward that kept its rows (ring_rows >= row_capacity: ring_x and ring_h hold
 // every row at its schedule position, gu was saved), one call per rank: start barrier (every
-// rank's dy and topk_w are written); the backward megakernel (detail/megakernel_backward.cuh: comm
+// rank's dy, topk_w and its forward's topk_idx are written); the backward megakernel (detail/megakernel_backward.cuh: comm
 // warps pull dy rows and router weights from the source ranks; dh = dy W_down with the SwiGLU
 // backward; dx = [dg|du] [W_gate; W_up] pushed into the source ranks' dx_slots, d topk_w into their
 // dw_slots; then the weight gradients, fixed reduction order); a wait on every rank's arrival; the
@@ -133,7 +133,8 @@ struct MoeBackwardArgs {
   int64_t hidden = 0;
   int64_t intermediate = 0;
   SymmetricLayout layout;
-  void* const* bases = nullptr;  // as in MoeForwardArgs; dy and topk_w written into this rank's
+  // As in MoeForwardArgs; dy, topk_w and the forward's topk_idx written into this rank's.
+  void* const* bases = nullptr;
   const void* w_gate = nullptr;
   const void* w_up = nullptr;
   const void* w_down = nullptr;

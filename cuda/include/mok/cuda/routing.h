@@ -48,14 +48,14 @@ struct RoutingShape {
 int64_t routed_row_capacity(const RoutingShape& shape);
 
 // Sticky device status of the schedule build. Zero (cudaMemset 0) means every expert id seen was
-// in [0, E). Otherwise it records the first bad id in (rank, token, j) order:
+// in [0, E) or -1 (an empty slot). Otherwise it records the first bad id in (rank, token, j) order:
 // bad_expert = (0xffffffff - (rank*T*k + token*k + j)) << 32 | uint32(id), kept by atomicMax so the
 // smallest position wins whatever the timing. Bad ids are skipped (no row is placed for them).
 struct RoutingStatus {
   unsigned long long bad_expert = 0;
 };
-// "" when the status is clean, else e.g. "topk_idx[rank 1][token 5][1] = 19 is out of range [0, 16)"
-// (the CPU's validate_routing wording).
+// "" when the status is clean, else e.g. "topk_idx[rank 1][token 5][1] = 19 is out of range [0, 16)
+// and not -1 (no expert)" (the CPU's validate_routing wording).
 std::string describe(const RoutingStatus& status, const RoutingShape& shape);
 
 // The tensors check_finite scans.
