@@ -356,8 +356,10 @@ def clear_workspace_cache() -> None:
     """Forgets every cached workspace (their buffers are freed when no longer referenced), the GPU
     layer's included: a GPU workspace whose call failed stays failed until this runs on every rank.
     A CUDA graph that captured calls keeps the addresses of their workspace's buffers: do not clear
-    the cache while such a graph may still be replayed."""
+    the cache while such a graph may still be replayed. The layer over several domains agrees on its
+    shapes again at its next call."""
     _WORKSPACES.clear()
+    _DOMAIN_AGREEMENTS.clear()
     import sys
 
     gpu_layer = sys.modules.get(f"{__package__}._cuda_layer")  # loaded only once a GPU call was made
