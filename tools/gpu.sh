@@ -5,7 +5,8 @@
 #   MOK_GPU_STEPS="build tests sanitize bench_experts bench_1gpu" bash tools/gpu.sh
 # Env: MOK_GTEST_FILTER, MOK_SANITIZE_FILTER (the GPU tests run under compute-sanitizer), MOK_TEST_ENV (VAR=value settings for the GPU test binary only), MOK_TIMING_ARGS,
 # MOK_BENCH_BUDGET(_2GPU), MOK_BENCH_CASES_1GPU / _2GPU (e.g. "baselines_2gpu:tokens=8192", "fp8_1gpu"),
-# MOK_BENCH_IMPLS (bench_1gpu: e.g. "mok,torch_a2a"), MOK_DEADLINE_S.
+# MOK_BENCH_IMPLS (bench_1gpu: e.g. "mok,torch_a2a"), MOK_BENCH_IMPLS_2GPU (bench_2gpu: e.g.
+# "mok,mok_domains,torch_a2a"; mok_domains runs only when named), MOK_DEADLINE_S.
 # Steps: build (MOK_BUILD_TARGETS: only those; MOK_BUILD_DIR, MOK_CUDA_FLAGS), sass, tests, pytest (mok._C + tests/python/test_cuda_{layer,distributed,fp8}.py, test_domains.py's GPU tests), timing, mk_timing
 # (the fused forward against its GEMMs alone, MOK_MK_TIMING_ARGS), sanitize,
 # bench_experts, bench_gemms (each expert GEMM against torch._grouped_mm), bench_1gpu, train (bench/train.py, MOK_TRAIN_RUNS), bench_2gpu (needs 2 GPUs), ncu (stall samples per SASS line), sweep_2gpu (MOK_SWEEP_PLANS, below),
@@ -250,7 +251,8 @@ if has bench_2gpu; then
   # A hard timeout on top of the harness's own budget: a stuck collective must not eat the call.
   budget="${MOK_BENCH_BUDGET_2GPU:-${MOK_BENCH_BUDGET:-330}}"
   timeout --kill-after=10 "$(left $((budget + 150)))" torchrun --standalone --nproc-per-node="${MOK_NPROC:-2}" -m bench.run \
-    --cases "${MOK_BENCH_CASES_2GPU:-baselines_2gpu}" --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
+    --cases "${MOK_BENCH_CASES_2GPU:-baselines_2gpu}" ${MOK_BENCH_IMPLS_2GPU:+--impls "$MOK_BENCH_IMPLS_2GPU"} \
+    --out "$LOGS/baselines_2gpu_h200.json" --time-budget-s "$budget" \
     > "$LOGS/baselines_2gpu_h200.log" 2>&1 || { status=1; log "bench 2gpu exited non-zero (timeout: 124)"; }
   python3 -m bench.render "$LOGS/baselines_2gpu_h200.json" >> "$LOGS/baselines_2gpu_h200.log" 2>&1 || true
   publish; log "bench 2gpu done"; tail -5 "$LOGS/baselines_2gpu_h200.log"

@@ -61,6 +61,7 @@ class ImplSpec:
     is_baseline: bool  # baselines are what "ratio to the best baseline" compares against
     memory_bytes: Callable[[Any, "BenchContext"], int] | None  # device bytes beyond the problem; None = unknown
     description: str
+    by_default: bool = True  # False: runs only when named (--impls), e.g. a study, not the benchmark of record
 
 
 IMPLS: dict[str, ImplSpec] = {}
@@ -73,6 +74,7 @@ def register_impl(
     is_baseline: bool = True,
     memory_bytes: Callable[[Any, BenchContext], int] | None = None,
     description: str = "",
+    by_default: bool = True,
 ) -> Callable[[Callable[[Any, BenchContext], Runner]], Callable[[Any, BenchContext], Runner]]:
     """Decorator registering ``build`` as implementation ``name`` of case kind ``kind``."""
     if kind not in ("layer", "experts"):
@@ -83,7 +85,7 @@ def register_impl(
         if key in IMPLS:
             raise ValueError(f"implementation {name!r} registered twice for kind {kind!r}")
         summary = description or (build.__doc__ or "").strip().split("\n")[0]
-        IMPLS[key] = ImplSpec(name, kind, build, is_baseline, memory_bytes, summary)
+        IMPLS[key] = ImplSpec(name, kind, build, is_baseline, memory_bytes, summary, by_default)
         return build
 
     return decorate
@@ -108,11 +110,12 @@ def load_impls() -> dict[str, ImplSpec]:
 
 
 def impls_for(kind: str, names: Sequence[str] | None = None) -> list[ImplSpec]:
-    """Registered impls of a kind, optionally restricted to ``names``, in registration order."""
+    """Registered impls of a kind in registration order: those named in ``names``, or without names
+    every one registered ``by_default``."""
     specs = [s for s in IMPLS.values() if s.kind == kind]
     if names:
-        specs = [s for s in specs if s.name in names]
-    return specs
+        return [s for s in specs if s.name in names]
+    return [s for s in specs if s.by_default]
 
 
 def autograd_runner(problem: Any, forward: Callable[[], torch.Tensor]) -> Runner:

@@ -289,6 +289,24 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     ``torch.autograd.grad`` for the backward (a fresh forward before each, as for every impl). What
     it adds over `mok`: the workspace lookup, the copies into the symmetric buffer, and the weight
     gradients returned in the weights' dtype."""
+    return _moe_runner(problem, ctx, None)
+
+
+@register_impl("mok_domains", "layer", is_baseline=False, by_default=False,
+               memory_bytes=lambda problem, ctx: problem.ranks * _torch_memory_bytes(problem, ctx),
+               description="mok.moe with every rank its own NVLink domain (MoeConfig(domain_size=1)): the "
+                           "several-nodes path, NCCL all-gather and all-to-all across, the megakernel at R = 1")
+def build_layer_domains(problem: Any, ctx: BenchContext) -> Runner:
+    """What the layer over several NVLink domains costs against the one-domain megakernel on the same
+    GPUs: each rank a domain, so every token crosses by NCCL (over NVLink here, over the network
+    between nodes) and each GPU runs the megakernel alone on the R*T gathered tokens."""
+    if problem.ranks < 2:
+        raise Skip("one rank is one domain: nothing crosses")
+    return _moe_runner(problem, ctx, 1)
+
+
+def _moe_runner(problem: Any, ctx: BenchContext, domain_size: int | None) -> Runner:
+    """mok.moe and torch.autograd.grad on the bench's group, with ``MoeConfig(domain_size=...)``."""
     if not ctx.runtime.is_cuda:
         raise Skip("the MoK kernels need an sm_90a GPU")
     if problem.case.precision not in ("bf16", "fp8", "fp8_dgrad"):
@@ -305,7 +323,7 @@ def build_layer_torch(problem: Any, ctx: BenchContext) -> Runner:
     p = problem
     group = ctx.runtime.group if p.ranks > 1 else None
     with_backward = any(ps in ("backward", "both") for ps in p.case.passes)
-    config = mok.MoeConfig(precision=p.case.precision)
+    config = mok.MoeConfig(precision=p.case.precision, domain_size=domain_size)
 
     def forward() -> torch.Tensor:
         with torch.set_grad_enabled(with_backward):

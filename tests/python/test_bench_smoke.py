@@ -158,6 +158,17 @@ def test_smoke_two_processes_gloo(tmp_path: Path) -> None:
     assert all(len(r["rank_median_ms"]) == 2 for r in remote)
 
 
+def test_studies_run_only_when_named() -> None:
+    """mok_domains (the several-domains path against the one-domain megakernel) is a study: the
+    benchmark of record (no --impls) leaves it out, naming it runs it."""
+    from bench.impls import impls_for, load_impls
+
+    load_impls()
+    assert "mok_domains" not in {s.name for s in impls_for("layer")}
+    assert {"mok", "torch_a2a"} <= {s.name for s in impls_for("layer")}
+    assert [s.name for s in impls_for("layer", ["mok", "mok_domains"])] == ["mok", "mok_domains"]
+
+
 def test_case_tables_are_well_formed() -> None:
     sys.path.insert(0, str(REPO))
     from bench.cases import TABLES, select_cases
