@@ -161,6 +161,7 @@ def test_smoke_two_processes_gloo(tmp_path: Path) -> None:
 def test_studies_run_only_when_named() -> None:
     """mok_domains (the several-domains path against the one-domain megakernel) is a study: the
     benchmark of record (no --impls) leaves it out, naming it runs it."""
+    sys.path.insert(0, str(REPO))
     from bench.impls import impls_for, load_impls
 
     load_impls()
