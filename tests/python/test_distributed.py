@@ -103,6 +103,19 @@ def reference(case: Case, p: GlobalProblem, ranks: int) -> dict[str, Any]:
                               [f32(cat(p.dy, r)) for r in range(ranks)])
 
 
+WEIGHT_GRADS = ("d_gate", "d_up", "d_down")
+
+
+def reference_part(ref: dict[str, Any], p: GlobalProblem, name: str, rank: int, size: int) -> np.ndarray:
+    """Rank ``rank`` of ``size``'s part of a reference output (from :func:`reference` over ``size``
+    ranks): its tokens' y, dx, d topk_w or shared-expert gradient, or its experts' rows of a routed
+    weight gradient (the reference's are global)."""
+    if name not in WEIGHT_GRADS:
+        return ref[name][rank]
+    El = p.weights[0].shape[0] // size
+    return ref[name].reshape(p.weights[WEIGHT_GRADS.index(name)].shape)[rank * El:(rank + 1) * El]
+
+
 def assert_bitwise(what: str, actual: torch.Tensor, expected: np.ndarray) -> None:
     a = actual.detach().float().reshape(-1)
     e = torch.from_numpy(np.ascontiguousarray(expected)).reshape(-1)
@@ -134,8 +147,6 @@ def run_layer(case: Case, p: GlobalProblem, group: dist.ProcessGroup | None, ran
 
 def check_against_references(case: Case, p: GlobalProblem, ours: dict[str, Any], rank: int, size: int,
                              label: str) -> None:
-    E = p.weights[0].shape[0]
-    El = E // size
     T = case.tokens
     for ranks in (size, 1):  # R emulated ranks, and the whole batch on one rank
         ref = reference(case, p, ranks)
@@ -144,9 +155,8 @@ def check_against_references(case: Case, p: GlobalProblem, ours: dict[str, Any],
             # One emulated rank holds every rank's tokens, in rank order.
             expected = ref[name][rank] if ranks == size else ref[name][0][rank * T * width:(rank + 1) * T * width]
             assert_bitwise(f"{where}: {name}", ours[name], expected)
-        for name, shape in (("d_gate", p.weights[0].shape), ("d_up", p.weights[1].shape),
-                            ("d_down", p.weights[2].shape)):
-            assert_bitwise(f"{where}: {name}", ours[name], ref[name].reshape(shape)[rank * El:(rank + 1) * El])
+        for name in WEIGHT_GRADS:
+            assert_bitwise(f"{where}: {name}", ours[name], reference_part(ref, p, name, rank, size))
         if case.shared and ranks == size:  # the shared expert's gradient is this rank's own tokens' part
             for name in ("d_shared_gate", "d_shared_up", "d_shared_down"):
                 assert_bitwise(f"{where}: {name}", ours[name], ref[name][rank])

@@ -180,12 +180,10 @@ def shared_gpu_worker(rank: int, size: int, init_file: str, result_dir: str) -> 
             p = td.make_problem(case, size, seed=5)
             ours = run(case, p, rank, size, 1, device)
             ref = td.reference(case, p, size)
-            El = p.weights[0].shape[0] // size
             where = f"case {case.name}, rank {rank} of {size} sharing one GPU"
             shared = ("d_shared_gate", "d_shared_up", "d_shared_down") if case.shared else ()
             for name in ("y", "dx", "d_topk_w", "d_gate", "d_up", "d_down") + shared:
-                want = ref[name][rank] if name not in ("d_gate", "d_up", "d_down") else \
-                    ref[name].reshape(p.weights[("d_gate", "d_up", "d_down").index(name)].shape)[rank * El:(rank + 1) * El]
+                want = td.reference_part(ref, p, name, rank, size)
                 err = testing.relative_error(ours[name].float().reshape(-1), torch.from_numpy(want).reshape(-1))
                 assert err < 2e-2, f"{where}: {name} rel error {err:.3e} against the C++ reference"
             again = run(case, p, rank, size, 1, device)
