@@ -17,6 +17,12 @@
 
 namespace mok::test {
 
+// GPUs this process sees (0 when CUDA reports none or fails): the GPU tests skip at 0.
+inline int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
 // `count` elements of device memory (ptr is null if the allocation failed).
 template <class T>
 struct DeviceBuffer {

@@ -135,11 +135,6 @@ struct Outputs {
   std::vector<float> dwg, dwu, dwd;
 };
 
-int device_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 template <class T>
 std::vector<T> slice(const std::vector<T>& v, size_t begin, size_t count) {
   return std::vector<T>(v.begin() + begin, v.begin() + begin + count);

@@ -39,6 +39,7 @@ uint8_t random_e4m3(Rng& rng) {
 }
 
 TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   const int k = 320, n = 264;                       // neither a multiple of the 128 x 256 tile
   const std::vector<int> real_rows{130, 0, 300};    // an empty expert, rows not a multiple of 128
   std::vector<int32_t> offsets{0};
@@ -103,8 +104,7 @@ TEST(Precision, Fp8GroupedGemmMatchesTheCpuAndIsDeterministic) {
 }
 
 TEST(Precision, Fp8BlockScaledGroupedGemmMatchesTheCpuOracle) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   // k and n past a whole number of 128-blocks (partial last scale blocks), an empty expert, rows
   // not a multiple of 128; activations whose magnitude changes along k (each k-block its own
   // scale) and from row to row, weights per expert and block.
@@ -188,8 +188,7 @@ TEST(Precision, Fp8BlockScaledGroupedGemmMatchesTheCpuOracle) {
 }
 
 TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   // Rows of magnitudes from 2^-40 to 2^40 (tiny blocks lose values to e4m3's subnormals; huge ones
   // take large scales), an all-zero row, a row of one large value among small ones, exact 448s
   // and negative zeros; 7168 + 80 columns, so the last block of a row is partial. Three forms of
@@ -275,8 +274,7 @@ TEST(Precision, Fp8QuantizedActivationsEqualTheCpuOracleBitForBit) {
 // last tile); with rows_used = 256 the third block's codes and scales are not written; reruns the
 // same bits; bad arguments refused by name.
 TEST(Precision, Fp8ColumnQuantizedTransposesEqualTheCpuOracleBitForBit) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   const int64_t rows = 300, cols = 200, ld_t = 304, row_blocks = 3;
   Rng rng(0xc01full);
   std::vector<float> x = test::random_bf16(rng, rows * cols);
@@ -333,8 +331,7 @@ TEST(Precision, Fp8ColumnQuantizedTransposesEqualTheCpuOracleBitForBit) {
 }
 
 TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   // Both kernel forms (vectorized and general) give the oracle's codes, scales and transposes.
   // Three planes (experts) of 300 x (1024 + 80): partial 128 x 128 blocks at both edges. Each
   // block's magnitudes from 2^-40 to 2^40 by its position; one all-zero block; two blocks of small
@@ -448,8 +445,7 @@ TEST(Precision, Fp8QuantizedWeightsEqualTheCpuOracleBitForBit) {
 // every case gives the oracle's codes, scales and transposes, with and without the transposes,
 // and writes nothing past them (poisoned margins stay).
 TEST(Precision, Fp8QuantizedWeightsAtTheVectorFormsEdgesEqualTheOracle) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   struct Case {
     int64_t rows, cols;
     int codes_offset;  // bytes into the codes buffer: 1 makes the codes 1-byte aligned
@@ -546,8 +542,7 @@ struct Fp8ForwardCase {
 class Fp8ExpertsForward : public ::testing::TestWithParam<Fp8ForwardCase> {};
 
 TEST_P(Fp8ExpertsForward, MatchesTheOracleAndIsDeterministic) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   const Fp8ForwardCase& c = GetParam();
   const int64_t H = c.H, I = c.I, El = int64_t(c.rows.size());
   std::vector<int64_t> offsets{0};
@@ -698,8 +693,7 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Fp8ExpertsForward,
 class Fp8ExpertsDgrad : public ::testing::TestWithParam<Fp8ForwardCase> {};
 
 TEST_P(Fp8ExpertsDgrad, MatchesTheOracleAndIsDeterministic) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) GTEST_SKIP() << "no GPU";
+  if (test::device_count() < 1) GTEST_SKIP() << "no GPU";
   const Fp8ForwardCase& c = GetParam();
   const int64_t H = c.H, I = c.I, El = int64_t(c.rows.size());
   std::vector<int64_t> offsets{0};
