@@ -118,6 +118,24 @@ struct TransposedTarget {
   int64_t ld_t, offset_t;
 };
 
+// A CTA's 128 x 128 block of the block quantizers: blockIdx.x = (plane, row block, column block),
+// row-major.
+struct BlockCoords {
+  int64_t plane, rb, cb;
+};
+
+__device__ __forceinline__ BlockCoords block_coords(int64_t row_blocks, int64_t col_blocks) {
+  const int64_t block = blockIdx.x;
+  return {block / (row_blocks * col_blocks), block / col_blocks % row_blocks, block % col_blocks};
+}
+
+// Where block b's scale goes in the transposed copy's scales: W^T's block (cb, rb) of the plane,
+// offset_t / 128 block columns in.
+__device__ __forceinline__ int64_t transposed_scale_index(const TransposedTarget& t, const BlockCoords& b,
+                                                          int64_t col_blocks) {
+  return (b.plane * col_blocks + b.cb) * (t.ld_t / kBlock) + t.offset_t / kBlock + b.rb;
+}
+
 // The scale exponent of a CTA's block from each thread's partial amax (every thread gets it): a
 // warp's shuffles, then the warps' maxima through warp_max (shared, kBlockThreads / 32 floats).
 __device__ __forceinline__ int cta_scale_exponent(float amax, float* warp_max) {
@@ -140,9 +158,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   // reading a column (consecutive rows in consecutive threads) hits 32 banks.
   constexpr int kTileStride = kBlock + 4;
   __shared__ uint8_t tile[kBlock * kTileStride];
-  const int64_t block = blockIdx.x;  // (plane, row block, column block), row-major
-  const int64_t plane = block / (row_blocks * col_blocks);
-  const int64_t rb = block / col_blocks % row_blocks, cb = block % col_blocks;
+  const BlockCoords b = block_coords(row_blocks, col_blocks);
+  const int64_t plane = b.plane, rb = b.rb, cb = b.cb;
   const int64_t r0 = rb * kBlock + threadIdx.x / kBlock, c = cb * kBlock + threadIdx.x % kBlock;
   const bool in_cols = c < cols;
   // The rows r0, r0 + kRowStep, ... that exist: rows_here of them (0 past the matrix).
@@ -157,7 +174,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     amax = fmaxf(amax, fabsf(v[i]));
   }
   const int e = cta_scale_exponent(amax, warp_max);
-  if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
+  if (threadIdx.x == 0 && scales != nullptr) scales[blockIdx.x] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
@@ -171,7 +188,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __syncthreads();
   const int64_t cols_t = t.ld_t, r_here = rows - rb * kBlock, c_here = cols - cb * kBlock;
   const int k = threadIdx.x % kBlock;
-  if (threadIdx.x == 0) t.scales_t[(plane * col_blocks + cb) * (cols_t / kBlock) + t.offset_t / kBlock + rb] = ldexpf(1.0f, e);
+  if (threadIdx.x == 0) t.scales_t[transposed_scale_index(t, b, col_blocks)] = ldexpf(1.0f, e);
   for (int j = threadIdx.x / kBlock; j < kBlock; j += kRowStep) {
     if (j < c_here && k < r_here)
       t.codes_t[(plane * cols + cb * kBlock + j) * cols_t + t.offset_t + rb * kBlock + k] = tile[k * kTileStride + j];
@@ -200,9 +217,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                                TransposedTarget t) {
   __shared__ float warp_max[kBlockThreads / 32];
   __shared__ uint32_t tile[kBlock * kTileWords];
-  const int64_t block = blockIdx.x;  // (plane, row block, column block), row-major
-  const int64_t plane = block / (row_blocks * col_blocks);
-  const int64_t rb = block / col_blocks % row_blocks, cb = block % col_blocks;
+  const BlockCoords b = block_coords(row_blocks, col_blocks);
+  const int64_t plane = b.plane, rb = b.rb, cb = b.cb;
   const int sub = threadIdx.x % kLanesPerBlock, r = threadIdx.x / kLanesPerBlock;
   const int64_t r0 = rb * kBlock + r, c = cb * kBlock + sub * kVecCols;
   const bool in_cols = c < cols;  // all 8 columns or none (cols % 8 == 0)
@@ -218,7 +234,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) amax = bf16x8_amax(raw[i], amax);
   const int e = cta_scale_exponent(amax, warp_max);
-  if (threadIdx.x == 0 && scales != nullptr) scales[block] = ldexpf(1.0f, e);
+  if (threadIdx.x == 0 && scales != nullptr) scales[blockIdx.x] = ldexpf(1.0f, e);
   const float inv = ldexpf(1.0f, -e);
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) {
@@ -235,7 +251,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __syncthreads();
   const int64_t r_here = rows - rb * kBlock, c_here = cols - cb * kBlock;  // r_here % 4 == 0, c_here % 8 == 0
   const int q = threadIdx.x % 32;
-  if (threadIdx.x == 0) t.scales_t[(plane * col_blocks + cb) * (t.ld_t / kBlock) + t.offset_t / kBlock + rb] = ldexpf(1.0f, e);
+  if (threadIdx.x == 0) t.scales_t[transposed_scale_index(t, b, col_blocks)] = ldexpf(1.0f, e);
   for (int jw = threadIdx.x / 32; jw < kTileWords; jw += kBlockThreads / 32) {
     if (4 * jw >= c_here || 4 * q >= r_here) continue;
     uint32_t a[4];  // a[m] byte n: the code of block row 4q + m, column 4jw + n

@@ -414,12 +414,14 @@ def _shared_expert_backward(saved: tuple[Tensor, Tensor, Tensor], s_gate: Tensor
 
 
 # The fp8 layer's weight operands, quantized once per weight tensor(s) and version (a step that
-# changes a weight in place bumps its version): (kind, id(weight), ...) -> (weak references to the
-# weights, their (data_ptr, shape, dtype, version), the quantized operands). kind "codes": a
-# weight's (codes, scales) (precision fp8's forward); "dgrad": fp8_dgrad's, the three weights'
-# codes and the transposes of W_down and of W_gate with W_up from one pass over each weight
-# (_fp8_dgrad_operands). The entry goes when a weight does. (Keyed by id: a WeakKeyDictionary
-# compares tensors with ==, which is elementwise.)
+# changes a weight in place bumps its version): (kind, _fp8_key(weight), ...) -> (weak references
+# to the weights' owners, their (data_ptr, shape, dtype, version), the quantized operands). kind
+# "codes": a weight's (codes, scales) (precision fp8's forward); "dgrad": fp8_dgrad's, the three
+# weights' codes and the transposes of W_down and of W_gate with W_up from one pass over each
+# weight (_fp8_dgrad_operands). A view (a slice of a stacked parameter, the unsqueezed shared
+# expert of the domains path) is keyed by the tensor it views and its place in it, so a new view
+# of the same place finds the entry; the entry goes when an owner does. (Keyed by id: a
+# WeakKeyDictionary compares tensors with ==, which is elementwise.)
 _FP8_WEIGHTS: dict[tuple[object, ...], tuple[tuple[weakref.ref, ...], tuple[object, ...], Any]] = {}
 # Entries whose codes a CUDA graph requantizes on every replay: key -> the buffers the graphs
 # write, held while the weights live (a graph keeps raw addresses). A replay can change a weight
@@ -432,14 +434,32 @@ def _planes(w: Tensor) -> Tensor:
     return _bf16(w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
 
 
+def _owner(w: Tensor) -> Tensor:
+    """The tensor that owns w's memory: w, or the tensor w is a view of (views share its version
+    counter, so its in-place changes bump theirs)."""
+    return w if w._base is None else w._base
+
+
+def _fp8_key(w: Tensor) -> tuple[object, ...]:
+    """A weight's part of an fp8 cache key: its owner and, for a view, where in the owner it lies."""
+    return (id(_owner(w)), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype)
+
+
+def fp8_cache_kinds(w: Tensor) -> set[str]:
+    """The kinds of the fp8 cache entries that hold ``w``'s operands (tests and diagnostics)."""
+    part = _fp8_key(w)
+    return {key[0] for key in _FP8_WEIGHTS if part in key[1:]}
+
+
 def _cached_fp8(kind: str, weights: tuple[Tensor, ...], quantize: Any) -> Any:
     """quantize(out) of ``weights`` (out: None, or the cached buffers to write), cached per version.
     Inside a CUDA graph capture the quantization is captured into the cached buffers (made by the
     warm-up call), so every replay quantizes the weights' values at that time."""
-    key = (kind, *(id(w) for w in weights))
+    key = (kind, *(_fp8_key(w) for w in weights))
+    owners = tuple(_owner(w) for w in weights)
     stamps = tuple((w.data_ptr(), tuple(w.shape), w.dtype, w._version) for w in weights)
     cached = _FP8_WEIGHTS.get(key)
-    same_tensors = cached is not None and all(ref() is w for ref, w in zip(cached[0], weights)) and all(
+    same_tensors = cached is not None and all(ref() is o for ref, o in zip(cached[0], owners)) and all(
         old[:3] == new[:3] for old, new in zip(cached[1], stamps))
     if torch.cuda.is_current_stream_capturing():
         if cached is None or not same_tensors:
@@ -458,7 +478,7 @@ def _cached_fp8(kind: str, weights: tuple[Tensor, ...], quantize: Any) -> Any:
         _FP8_WEIGHTS.pop(key, None)
         _FP8_IN_GRAPHS.pop(key, None)
 
-    _FP8_WEIGHTS[key] = (tuple(weakref.ref(w, forget) for w in weights), stamps, q)
+    _FP8_WEIGHTS[key] = (tuple(weakref.ref(o, forget) for o in owners), stamps, q)
     return q
 
 

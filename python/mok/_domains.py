@@ -171,6 +171,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     y_shared = None
     if shared is not None:
         # The shared expert as the one expert of a one-rank layer: every token to it with weight 1.
+        # (At fp8 its codes are cached per version even so: the cache keys a view by what it views.)
         ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
         first = torch.zeros(T, 1, dtype=topk_idx.dtype, device=x.device)
         y_shared = one_domain(x, first, ones, *(w.unsqueeze(0) for w in shared), None, None)

@@ -180,7 +180,7 @@ def test_fp8_layer_requantizes_a_changed_weight(precision: str) -> None:
     # weights' codes come only from the pass that writes the transposes too.
     from mok import _cuda_layer
 
-    kinds = {key[0] for key in _cuda_layer._FP8_WEIGHTS if id(p.w_down) in key[1:]}
+    kinds = _cuda_layer.fp8_cache_kinds(p.w_down)
     assert kinds == ({"dgrad"} if precision == "fp8_dgrad" else {"codes"})
 
 
@@ -406,3 +406,46 @@ def test_fp8_dgrad_transposes_are_the_forward_codes_moved() -> None:
         _cuda_kernels.quantize_transposed(wd, w_gate=wg, w_up=wu)
     with pytest.raises(ValueError, match="multiples of 128"):
         _cuda_kernels.quantize_transposed(wd[:, :200].contiguous())
+
+
+def test_fp8_cache_finds_a_new_view_of_the_same_weight() -> None:
+    """A weight given as a view (the domains path's unsqueezed shared expert, a slice of a stacked
+    parameter) is quantized once per version: a new view of the same place finds the cached
+    operands, views of other places get their own (each the quantization of its own values), an
+    in-place change of the viewed tensor quantizes again, and the entries go with that tensor."""
+    import gc
+
+    from mok import _cuda_layer
+
+    g = torch.Generator("cuda").manual_seed(9)
+    calls: list[int] = []
+    quantize = _cuda_kernels.quantize_weights
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return quantize(*args, **kwargs)
+
+    stacked = torch.randn(2, 256, 128, device="cuda", generator=g).to(torch.bfloat16)
+    plane = torch.randn(256, 128, device="cuda", generator=g).to(torch.bfloat16)
+    before = len(_cuda_layer._FP8_WEIGHTS)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_cuda_kernels, "quantize_weights", counted)
+    try:
+        first = _cuda_layer._fp8_weight(plane.unsqueeze(0))
+        assert _cuda_layer._fp8_weight(plane.unsqueeze(0)) is first and len(calls) == 1
+        halves = [_cuda_layer._fp8_weight(stacked[i:i + 1]) for i in range(2)]
+        assert len(calls) == 3 and halves[0] is not halves[1]
+        assert _cuda_layer._fp8_weight(stacked[1:2]) is halves[1] and len(calls) == 3
+        for i, (codes, scales) in enumerate(halves):
+            want_c, want_s = quantize(stacked[i:i + 1].contiguous())
+            assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(scales, want_s)
+        assert _cuda_layer.fp8_cache_kinds(stacked[0:1]) == {"codes"}
+        stacked.mul_(2)  # the views' version moves with the stacked tensor's
+        codes, scales = _cuda_layer._fp8_weight(stacked[0:1])
+        assert len(calls) == 4 and torch.equal(scales, halves[0][1] * 2)
+        assert torch.equal(codes.view(torch.uint8), halves[0][0].view(torch.uint8))
+    finally:
+        mp.undo()
+    del stacked, plane, first, halves, codes, scales
+    gc.collect()
+    assert len(_cuda_layer._FP8_WEIGHTS) == before
