@@ -503,6 +503,16 @@ class Context:
         self.src_rank = torch.empty(cap, dtype=torch.int32, device=device)
         self.src_slot = torch.empty(cap, dtype=torch.int32, device=device)
 
+    @classmethod
+    def of(cls, replay: bool, x_rows: torch.Tensor | None, h: torch.Tensor | None, gu: torch.Tensor | None,
+           offsets: torch.Tensor, src_rank: torch.Tensor, src_slot: torch.Tensor) -> "Context":
+        """A context from tensors a forward filled (the traceable op hands them over as its outputs)."""
+        context = cls.__new__(cls)
+        context.replay = replay
+        context.x_rows, context.h, context.gu = x_rows, h, gu
+        context.offsets, context.src_rank, context.src_slot = offsets, src_rank, src_slot
+        return context
+
     def pointers(self) -> list[int | None]:
         return [None if t is None else t.data_ptr()
                 for t in (self.x_rows, self.h, self.gu, self.offsets, self.src_rank, self.src_slot)]

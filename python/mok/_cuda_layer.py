@@ -222,6 +222,73 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
     return y
 
 
+def _training_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
+                      w_down: Tensor, s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None,
+                      swiglu_limit: float | None, save_context: bool
+                      ) -> tuple[Tensor, kernels.Context, tuple[Tensor | None, ...], Any, Any]:
+    """A training forward (what _FusedMoe and the traceable op run): (y, the context its backward
+    reads, the shared expert's kept (x rows, g|u, h) or Nones, the routed and the shared experts'
+    e4m3 operands at fp8 or (None, None)). save_context=False keeps x and the schedule only; the
+    backward replays the rows (less memory between the passes, a faster forward, the same bits; at
+    fp8 the replay quantizes the pulled rows and reruns the fp8 gate|up)."""
+    fp8 = ws.fused.fp8
+    context = ws.fused.new_context(x.device, replay=not save_context)
+    shared = s_gate is not None and s_up is not None and s_down is not None
+    precision = "fp8_dgrad" if ws.fused.fp8_dgrad else "fp8"
+    operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
+    shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
+    y_shared = None
+    kept: tuple[Tensor | None, ...] = (None, None, None)
+    if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
+        rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8_codes=shared_operands[0])
+        assert rows is not None
+        kept = rows
+    y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context, operands[0])
+    return y, context, kept, operands, shared_operands
+
+
+def _training_backward(ws: _Workspace, context: kernels.Context, dy: Tensor | None, x: Tensor | None,
+                       topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                       s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None,
+                       shared_rows: tuple[Tensor, ...], swiglu_limit: float | None, operands: Any,
+                       shared_operands: Any) -> tuple[Tensor, ...]:
+    """The backward of a _training_forward: (dx, d topk_w, d w_gate, d w_up, d w_down, then the
+    shared expert's three gradients or Nones). topk_idx: that forward's routing (written into the
+    buffer again: another call may have replaced it); x: needed by a replay context and at fp8 (its
+    rows are pulled again), else may be None."""
+    T, H = ws.x.shape
+    device = topk_w.device
+    if dy is None:  # still run: the other ranks' backward needs this rank's part
+        dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
+    dy = dy.contiguous()
+    replay = context.replay
+    shared_grads: tuple[Tensor | None, ...] = (None, None, None)
+    dx_shared = None
+    if s_gate is not None and s_up is not None and s_down is not None:
+        dx_shared, *grads = _shared_expert_backward(shared_rows, s_gate, s_up, s_down, dy,  # type: ignore[arg-type]
+                                                    swiglu_limit, transposes=shared_operands[1])
+        shared_grads = tuple(grads)
+    if replay or ws.fused.fp8:  # every rank's x is pulled again
+        assert x is not None
+        ws.x.copy_(x)
+    ws.dy.copy_(dy)
+    ws.topk_w.copy_(topk_w)
+    ws.topk_idx.copy_(topk_idx)  # the dx sum and d topk_w skip its empty slots
+    El, I, _ = w_gate.shape
+    dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+    d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)
+    # The kernels write bf16 weight gradients for bf16 weights (no fp32 copy to convert), else fp32.
+    grad = torch.bfloat16 if w_gate.dtype == w_up.dtype == w_down.dtype == torch.bfloat16 else torch.float32
+    d_gate = torch.empty(El, I, H, dtype=grad, device=device)
+    d_up = torch.empty(El, I, H, dtype=grad, device=device)
+    d_down = torch.empty(El, H, I, dtype=grad, device=device)
+    fp8_gate_up = operands[0][:2] if ws.fused.fp8 and replay else None
+    ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
+                      d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=context,
+                      dx_shared=dx_shared, fp8_gate_up=fp8_gate_up, fp8_transposes=operands[1])
+    return (dx, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype), *shared_grads)
+
+
 class _FusedMoe(torch.autograd.Function):
     """The routed experts through the C API and, when given, the shared expert on MoK's expert
     kernels (one expert whose rows are all the tokens). With ``fp8`` both forwards are block-scaled
@@ -239,86 +306,37 @@ class _FusedMoe(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
                 ws: _Workspace, save_context: bool) -> Tensor:
-        # save_context=False: keep x and the schedule only; the backward replays the rows (less
-        # memory between the passes, a faster forward, the same bits; at fp8 the replay quantizes the
-        # pulled rows and reruns the fp8 gate|up).
-        fp8 = ws.fused.fp8
-        context = ws.fused.new_context(x.device, replay=not save_context)
-        shared = s_gate is not None and s_up is not None and s_down is not None
-        # The weights' e4m3 operands, for the forward and kept for the backward (a weight changed in
-        # place in between fails autograd's saved-tensor check, so they stay the weights'; inside a
-        # CUDA graph the forward's captured quantization is the one the backward reads).
-        precision = "fp8_dgrad" if ws.fused.fp8_dgrad else "fp8"
-        operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
-        shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
-        y_shared = None
-        kept: tuple[Tensor | None, ...] = (None, None, None)
-        if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
-            rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit,
-                                                    fp8_codes=shared_operands[0])
-            assert rows is not None
-            kept = rows
-        y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context, operands[0])
-        ctx.ws, ctx.context, ctx.has_shared, ctx.swiglu_limit = ws, context, shared, swiglu_limit
+        y, context, kept, operands, shared_operands = _training_forward(
+            ws, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, save_context)
+        ctx.ws, ctx.context, ctx.swiglu_limit = ws, context, swiglu_limit
+        # The weights' e4m3 operands stay with the call (a weight changed in place in between fails
+        # autograd's saved-tensor check, so they stay the weights'; inside a CUDA graph the
+        # forward's captured quantization is the one the backward reads).
         ctx.fp8_operands, ctx.shared_fp8_operands = operands, shared_operands
         # x only where the backward reads it: the replay and the fp8 backward pull it again, the
         # shared expert's rows hold it.
         # The backward writes this call's topk_idx into the buffer again (another call may have
         # replaced it): a private copy, so the caller may reuse its routing tensor in between.
-        ctx.save_for_backward(ws.topk_idx.clone(), topk_w, w_gate, w_up, w_down, x if context.replay or fp8 else None,
-                              s_gate, s_up, s_down, *kept)
+        ctx.save_for_backward(ws.topk_idx.clone(), topk_w, w_gate, w_up, w_down,
+                              x if context.replay or ws.fused.fp8 else None, s_gate, s_up, s_down, *kept)
         ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
-        with torch.cuda.device(ctx.saved_tensors[1].device):
-            return _FusedMoe._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
-        ws: _Workspace = ctx.ws
         topk_idx, topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *shared_rows = ctx.saved_tensors
-        T, H = ws.x.shape
-        device = topk_w.device
         if ctx.context is None:
             raise RuntimeError(
                 "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
                 "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
                 "only x and the schedule and replays the rows in every backward")
-        if dy is None:  # still run: the other ranks' backward needs this rank's part
-            dy = torch.zeros(T, H, dtype=torch.bfloat16, device=device)
-        dy = dy.contiguous()
-        replay = ctx.context.replay
-        shared_grads: tuple[Tensor | None, ...] = (None, None, None)
-        dx_shared = None
-        if ctx.has_shared:
-            dx_shared, *grads = _shared_expert_backward(tuple(shared_rows), s_gate, s_up, s_down, dy,
-                                                        ctx.swiglu_limit,  # type: ignore[arg-type]
-                                                        transposes=ctx.shared_fp8_operands[1])
-            shared_grads = tuple(grads)
-        if replay or ws.fused.fp8:  # every rank's x is pulled again
-            ws.x.copy_(x)
-        ws.dy.copy_(dy)
-        ws.topk_w.copy_(topk_w)
-        ws.topk_idx.copy_(topk_idx)  # the dx sum and d topk_w skip its empty slots
-        El, I, _ = w_gate.shape
-        dx = torch.empty(T, H, dtype=torch.bfloat16, device=device)
-        d_topk_w = torch.empty(topk_w.shape, dtype=torch.float32, device=device)
-        # The kernels write bf16 weight gradients for bf16 weights (no fp32 copy to convert), else fp32.
-        grad = torch.bfloat16 if w_gate.dtype == w_up.dtype == w_down.dtype == torch.bfloat16 else torch.float32
-        d_gate = torch.empty(El, I, H, dtype=grad, device=device)
-        d_up = torch.empty(El, I, H, dtype=grad, device=device)
-        d_down = torch.empty(El, H, I, dtype=grad, device=device)
-        fp8_gate_up = ctx.fp8_operands[0][:2] if ws.fused.fp8 and replay else None
-        transposes = ctx.fp8_operands[1]  # fp8_dgrad's (None at the other precisions)
-        ws.fused.backward(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), dx=dx, d_topk_w=d_topk_w,
-                          d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down, context=ctx.context,
-                          dx_shared=dx_shared, fp8_gate_up=fp8_gate_up, fp8_transposes=transposes)
-        if not replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
+        with torch.cuda.device(topk_w.device):
+            dx, d_topk_w, *weight_grads = _training_backward(
+                ctx.ws, ctx.context, dy, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
+                tuple(shared_rows), ctx.swiglu_limit, ctx.fp8_operands, ctx.shared_fp8_operands)
+        if not ctx.context.replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
             ctx.context = None
-        return (dx, None, d_topk_w, d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype),
-                *shared_grads, None, None, None)
+        return (dx, None, d_topk_w, *weight_grads, None, None, None)
 
 
 _SHARED_ROWS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -506,6 +524,29 @@ def _fp8_operands(w_gate: Tensor, w_up: Tensor, w_down: Tensor, precision: str) 
     return (_fp8_weight(w_gate), _fp8_weight(w_up), _fp8_weight(w_down)), None
 
 
+def _check_device(x: Tensor) -> None:
+    if not kernels.available():
+        raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
+                                  "loadable here; use CPU tensors or build with CUDA")
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
+                                  f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+
+
+def _inference_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
+                       w_down: Tensor, s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None,
+                       swiglu_limit: float | None, precision: str) -> Tensor:
+    """A forward that keeps nothing (no_grad). At fp8_dgrad it takes the training calls' operands:
+    one cache entry for both kinds of call."""
+    fp8 = precision in ("fp8", "fp8_dgrad")
+    y_shared = None
+    if s_gate is not None and s_up is not None and s_down is not None:
+        shared_codes = _fp8_operands(s_gate, s_up, s_down, precision)[0] if fp8 else None
+        _, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, keep=False, fp8_codes=shared_codes)
+    codes = _fp8_operands(w_gate, w_up, w_down, precision)[0] if fp8 else None
+    return _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, None, codes)
+
+
 def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
         group_name: str, save_context: bool = True, plan: dict[str, int] | None = None,
@@ -513,15 +554,9 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     """The checked inputs of :func:`mok.functional.moe` on the GPU. Without autograd (no_grad, or
     no input that requires grad) the forward keeps no context at all. ``plan``: the planner's
     overrides resolved from a MoeConfig (comm_sms, minibatch_rows, ring_rows, fused_backward)."""
-    if not kernels.available():
-        raise NotImplementedError("mok: the CUDA kernels (libmok_cuda_capi.so, sm_90a) are not built or not "
-                                  "loadable here; use CPU tensors or build with CUDA")
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        raise NotImplementedError(f"mok: the CUDA kernels need an sm_90 (Hopper) GPU; {x.device} is "
-                                  f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    _check_device(x)
     leaves = [t for t in (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down) if t is not None]
     training = needs_grad(*leaves)
-    fp8 = precision in ("fp8", "fp8_dgrad")
     if x.shape[0] == 0:
         # No tokens (T is the same on every rank, so none anywhere): nothing moves. y is empty and
         # every gradient is zero, through a graph that touches every input.
@@ -532,12 +567,79 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
     with torch.cuda.device(x.device):  # the handle, its buffers and the stream are x's device's
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, training)
         args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down)
-        if not training:  # (at fp8_dgrad the training calls' operands: one cache entry for both kinds of call)
-            y_shared = None
-            if s_gate is not None and s_up is not None and s_down is not None:
-                shared_codes = _fp8_operands(s_gate, s_up, s_down, precision)[0] if fp8 else None
-                _, y_shared = _shared_expert_forward(args[0], s_gate, s_up, s_down, swiglu_limit, keep=False,
-                                                     fp8_codes=shared_codes)
-            codes = _fp8_operands(w_gate, w_up, w_down, precision)[0] if fp8 else None
-            return _run_forward(ws, *args, y_shared, None, codes)
+        if not training:
+            return _inference_forward(ws, *args, s_gate, s_up, s_down, swiglu_limit, precision)
         return _FusedMoe.apply(*args, s_gate, s_up, s_down, swiglu_limit, ws, save_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The traceable form (torch.ops.mok.gpu_moe / gpu_moe_backward, mok/_cuda_ops.py): the same
+# forward and backward, with everything the backward reads handed over as tensors
+# ---------------------------------------------------------------------------------------------
+
+# What op_forward returns after y, in order (placeholders of 0 elements where a call keeps none).
+OP_SAVED = ("topk_idx", "x_rows", "h", "gu", "offsets", "src_rank", "src_slot", "shared_gu", "shared_h")
+
+
+def op_forward(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+               s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, swiglu_limit: float | None,
+               group_name: str, save_context: bool, plan: dict[str, int] | None, precision: str,
+               training: bool) -> list[Tensor]:
+    """[y, *OP_SAVED]: moe()'s forward on contiguous inputs, training as the caller traced it (a
+    compiled graph runs its forward without grad mode, so the op cannot ask autograd)."""
+    _check_device(x)
+
+    def none() -> Tensor:
+        return torch.empty(0, dtype=torch.bfloat16, device=x.device)
+
+    def none_int() -> Tensor:
+        return torch.empty(0, dtype=torch.int32, device=x.device)
+
+    placeholders = [none_int(), none(), none(), none(), none_int(), none_int(), none_int(), none(), none()]
+    if x.shape[0] == 0:
+        return [torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device), *placeholders]
+    with torch.cuda.device(x.device):
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, training)
+        if not training:
+            return [_inference_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
+                                       swiglu_limit, precision), *placeholders]
+        y, context, kept, _, _ = _training_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up,
+                                                   s_down, swiglu_limit, save_context)
+        # The shared expert's x rows are x (padded): the backward makes them again rather than
+        # return an alias of an input.
+        _, shared_gu, shared_h = kept
+        return [y, ws.topk_idx.clone(), *(t if t is not None else none() for t in (context.x_rows, context.h,
+                                                                                  context.gu)),
+                context.offsets, context.src_rank, context.src_slot,
+                *(t if t is not None else none() for t in (shared_gu, shared_h))]
+
+
+def op_backward(dy: Tensor | None, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None, saved: list[Tensor],
+                swiglu_limit: float | None, group_name: str, save_context: bool, plan: dict[str, int] | None,
+                precision: str) -> list[Tensor]:
+    """[dx, d topk_w, d w_gate, d w_up, d w_down, d s_gate, d s_up, d s_down] (the shared ones of 0
+    elements without a shared expert) of the op_forward that returned ``saved`` (its OP_SAVED).
+    The weights' e4m3 operands come from the cache again: the forward's, unless a weight changed
+    in between (which autograd's saved-tensor check refuses)."""
+    _check_device(x)
+    shared = s_gate is not None and s_up is not None and s_down is not None
+    if x.shape[0] == 0:
+        zeros = [torch.zeros_like(t) for t in (x, topk_w, w_gate, w_up, w_down)]
+        zeros[0] = zeros[0].to(torch.bfloat16)
+        return zeros + ([torch.zeros_like(t) for t in (s_gate, s_up, s_down)] if shared  # type: ignore[arg-type]
+                        else [torch.empty(0, device=x.device) for _ in range(3)])
+    topk_idx, x_rows, h, gu, offsets, src_rank, src_slot, shared_gu, shared_h = saved
+    with torch.cuda.device(x.device):
+        ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, True)
+        context = kernels.Context.of(not save_context, x_rows if x_rows.numel() else None,
+                                     h if h.numel() else None, gu if gu.numel() else None, offsets, src_rank, src_slot)
+        fp8 = ws.fused.fp8
+        operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
+        shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
+        shared_rows: tuple[Tensor, ...] = ()
+        if shared:
+            shared_rows = (_padded(x.to(torch.bfloat16), shared_gu.shape[0]), shared_gu, shared_h)
+        dx, d_topk_w, *grads = _training_backward(ws, context, dy, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate,
+                                                  s_up, s_down, shared_rows, swiglu_limit, operands, shared_operands)
+    return [dx, d_topk_w, *(g if g is not None else torch.empty(0, device=x.device) for g in grads)]

@@ -3,9 +3,11 @@
 Two levels:
 
 - :func:`moe` — one call, differentiable (gradients for x, topk_w and every weight), works under
-  ``torch.compile(fullgraph=True)`` on the CPU path; on CUDA tensors it is one graph break (the
-  fused GPU layer runs as is). This is what :class:`mok.MoE` uses.
-- The explicit passes, for frameworks that run their own backward or checkpoint activations::
+  ``torch.compile(fullgraph=True)``: on the CPU through the ``torch.ops.mok`` stages, on CUDA
+  tensors as one op, ``torch.ops.mok.gpu_moe`` (the fused GPU layer). This is what
+  :class:`mok.MoE` uses.
+- The explicit passes (CPU tensors), for frameworks that run their own backward or checkpoint
+  activations::
 
       ws = mok.get_workspace(None, group, device=x.device, num_local_tokens=T, hidden=H,
                              intermediate=I, num_experts=E, topk=k)
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, _dist
+from . import _cuda_ops  # noqa: F401  (registers torch.ops.mok.gpu_moe*)
 from . import ops as _ops  # noqa: F401  (registers torch.ops.mok.*)
 from ._ext import _C
 
@@ -593,16 +596,42 @@ def _moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tens
     return _moe_ops(*args)
 
 
-@torch.compiler.disable
 def _moe_cuda(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
               shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
               save_context: bool, config: MoeConfig | None) -> Tensor:
-    """The GPU layer: the fused forward (megakernel) and its backward through the C API. Opaque to
-    torch.compile (a graph break: the compiled code around it calls it as is), since the C API
-    calls are not traceable; FakeTensors (shape propagation) take the ops path for their shapes."""
-    if _is_fake(x):
-        return _moe_ops(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
-                        save_context, config)
+    """The GPU layer: the fused forward (megakernel) and its backward through the C API. Eager calls
+    run it through an autograd Function; traced ones (torch.compile, FakeTensors) through the op
+    torch.ops.mok.gpu_moe (mok/_cuda_ops.py), whose autograd runs the same backward."""
+    if torch.compiler.is_compiling() or _is_fake(x):
+        return _moe_cuda_op(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
+                            save_context, config)
+    return _moe_cuda_eager(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, group_name, ranks,
+                           save_context, config)
+
+
+def _moe_cuda_op(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                 shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+                 save_context: bool, config: MoeConfig | None) -> Tensor:
+    """The traced GPU layer: the checks on the inputs' metadata (at trace time), then one op. The
+    planner's overrides and the workspace are resolved when the op runs."""
+    from . import _cuda_ops
+
+    s_gate, s_up, s_down, _, _ = _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config,
+                                            ranks)
+    leaves = (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    outputs = torch.ops.mok.gpu_moe(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
+                                    s_gate, s_up, s_down, None if swiglu_limit is None else float(swiglu_limit),
+                                    group_name, save_context, _cuda_ops.config_ints(config), _precision(config),
+                                    training)
+    return outputs[0]
+
+
+@torch.compiler.disable
+def _moe_cuda_eager(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                    shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
+                    save_context: bool, config: MoeConfig | None) -> Tensor:
+    """The eager GPU layer (torch.compile never traces into it: it dispatches to _moe_cuda_op first)."""
     from . import _cuda_layer
 
     def check() -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape, dict[str, int] | None]:

@@ -5,11 +5,11 @@ reference stages, :mod:`mok._cpu`), a CUDA implementation, and a fake implementa
 for FakeTensor, ``torch.compile(fullgraph=True)`` and ``torch.library.opcheck``. ``mok::forward``
 has its backward registered with ``register_autograd``.
 
-The CUDA implementations are stubs until the sm_90a kernels land: they check the inputs like every
-implementation does (so mixed devices still raise ValueError), then raise NotImplementedError.
-Nothing ever falls back to a different computation. Wiring a kernel in is one line per op::
-
-    mok.ops.forward.register_kernel("cuda", cuda_forward)
+The stages run on the CPU backend. Their CUDA implementations check the inputs like every
+implementation does (so mixed devices still raise ValueError), then raise NotImplementedError
+naming the GPU path: on CUDA tensors the layer is one fused call, ``mok.moe`` / ``mok.MoE`` (the
+megakernel; traced as ``torch.ops.mok.gpu_moe``, mok/_cuda_ops.py). Nothing ever falls back to a
+different computation.
 
 Ops (schedule = the 7 tensors of :class:`mok.functional.Schedule`, context = the 5 tensors of
 :class:`mok.functional.ForwardContext`; ``group_name`` is the process group's name, ``""`` for none):
@@ -186,21 +186,23 @@ OPS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: not built yet
+# CUDA: the stages run on the CPU backend; the GPU layer is one fused call (mok/_cuda_ops.py)
 # ---------------------------------------------------------------------------------------------
 
 
-def _cuda_not_built(name: str, check: Callable[..., Any]) -> Callable[..., Any]:
+def _cuda_refused(name: str, check: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(*args: Any) -> Any:
         check(*args)  # a CPU tensor among CUDA ones is still a ValueError
-        raise NotImplementedError(f"mok: the CUDA kernels for {name} are not built yet; use CPU tensors")
+        raise NotImplementedError(
+            f"mok: torch.ops.mok.{name} (a stage of the explicit passes) runs on CPU tensors only; on the GPU the "
+            "layer is mok.moe / mok.MoE (the megakernel, its backward through autograd, traceable by torch.compile)")
 
     return kernel
 
 
 for _name, (_op, _fake, _check) in OPS.items():
     _op.register_fake(_fake)
-    _op.register_kernel("cuda", _cuda_not_built(_name, _check))
+    _op.register_kernel("cuda", _cuda_refused(_name, _check))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,26 +146,61 @@ def test_a_non_finite_input_is_named() -> None:
     _cuda_layer.clear()
 
 
-def test_torch_compile_calls_the_gpu_layer() -> None:
-    """Under torch.compile the GPU layer is a graph break: compiled code around it gives bitwise the
-    eager y and gradients (it would raise NotImplementedError if it traced into the ops path)."""
-    p = testing.random_problem(128, 8, 256, 128, 2, shared_intermediate=64, seed=21, device="cuda")
-    dy = torch.randn(128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(torch.bfloat16)
+@pytest.mark.parametrize("precision,save_context,limit,routing", [
+    (None, True, None, "uniform"), (None, False, 0.75, "zipf"), ("fp8_dgrad", True, 7.0, "masked"),
+    ("fp8", False, None, "zipf")])
+def test_torch_compile_holds_the_gpu_layer_in_its_graph(precision: str | None, save_context: bool,
+                                                         limit: float | None, routing: str) -> None:
+    """torch.compile(fullgraph=True) of two GPU layers in a row (shared workspaces, other ops around
+    them) traces them as torch.ops.mok.gpu_moe, no graph break: the compiled y and every gradient
+    are the eager call's bits, training and no_grad, and a second compiled step repeats them."""
+    config = mok.MoeConfig(precision=precision)
+    p = testing.random_problem(200, 8, 256, 128, 2, shared_intermediate=128, swiglu_limit=limit, routing=routing,
+                               seed=21, device="cuda")
+    q = testing.random_problem(200, 8, 256, 128, 2, swiglu_limit=limit, routing="uniform", seed=22, device="cuda")
+    dy = torch.randn(200, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(torch.bfloat16)
 
-    def layer(x: torch.Tensor, w: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
-        return mok.moe(x * 1.0, p.topk_idx, w, wg, wu, wd, p.shared) * 1.0
+    def layers(x: torch.Tensor, w: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
+               sg: torch.Tensor, su: torch.Tensor, sd: torch.Tensor, w2: torch.Tensor, wg2: torch.Tensor,
+               wu2: torch.Tensor, wd2: torch.Tensor) -> torch.Tensor:
+        h = mok.moe(x * 1.0, p.topk_idx, w, wg, wu, wd, (sg, su, sd), swiglu_limit=limit, save_context=save_context,
+                    config=config)
+        return mok.moe(h + x, q.topk_idx, w2 * 0.5, wg2, wu2, wd2, swiglu_limit=limit, save_context=save_context,
+                       config=config) * 1.0
 
+    inputs = (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down, *p.shared, q.topk_w, q.w_gate, q.w_up, q.w_down)
+    names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down", "d_topk_w 2",
+             "dW_gate 2", "dW_up 2", "dW_down 2"]
+    compiled = torch.compile(layers, fullgraph=True)
     results = []
-    for fn in (layer, torch.compile(layer)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+    for fn in (layers, compiled, compiled):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
         y = fn(*leaves)
         y.backward(dy)
-        results.append([y.detach()] + [t.grad for t in leaves])
+        with torch.no_grad():
+            y_inference = fn(*inputs)
+        results.append([y.detach()] + [t.grad for t in leaves] + [y_inference])
     from mok import _cuda_layer
 
     _cuda_layer.check()
-    for name, a, b in zip(["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down"], *results):
-        assert b is not None and torch.equal(a, b), f"{name}: compiled differs from eager"
+    for other in results[1:]:
+        for name, a, b in zip(names + ["y (no_grad)"], results[0], other):
+            assert b is not None and torch.equal(a, b), f"{name}: compiled differs from eager"
+
+
+def test_traced_gpu_layer_refuses_bad_inputs_at_trace_time() -> None:
+    """Traced calls check the inputs' metadata as eager calls do: a wrong dtype raises TypeError
+    naming the tensor (under fullgraph=True dynamo reports it as the exception it observed), before
+    anything runs."""
+    p = testing.random_problem(64, 4, 128, 128, 2, seed=3, device="cuda")
+
+    def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return mok.moe(x, p.topk_idx, w, p.w_gate, p.w_up, p.w_down)
+
+    with pytest.raises(TypeError, match="topk_w must be float32, got torch.float64"):
+        torch.compile(layer)(p.x, p.topk_w.double())
+    with pytest.raises(Exception, match="topk_w must be float32, got torch.float64"):
+        torch.compile(layer, fullgraph=True)(p.x, p.topk_w.double())
 
 
 def test_plan_overrides_change_no_bit() -> None:

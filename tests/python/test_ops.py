@@ -25,6 +25,8 @@ def test_ops_are_registered_once_with_schemas() -> None:
         assert schema.startswith(f"mok::{name}("), schema
     assert "Tensor[] schedule" in str(torch.ops.mok.forward.default._schema)
     assert "float? swiglu_limit" in str(torch.ops.mok.forward.default._schema)
+    for name in ("gpu_moe", "gpu_moe_backward"):  # the GPU layer's traced form (CUDA kernels only)
+        assert str(getattr(torch.ops.mok, name).default._schema).startswith(f"mok::{name}(")
 
 
 @pytest.mark.parametrize("shared, limit, tokens, save_context", [(0, None, 7, True), (4, 0.8, 9, True),
@@ -74,6 +76,9 @@ def test_fake_tensors(device: str) -> None:
                                            context, None, "")
         for g, t in zip(grads, [x, topk_w] + weights + list(shared)):
             assert (g.shape, g.dtype, g.device.type) == (t.shape, t.dtype, device)
+        # The GPU layer's traced form on the same fake tensors: the op and its backward.
+        if device == "cuda":
+            check_gpu_op_fakes(x, topk_idx, topk_w, weights, shared)
         # The fake implementations run the same checks as the real ones.
         with pytest.raises(TypeError, match="x must be bfloat16"):
             mok.moe(x.float(), topk_idx, topk_w, *weights)
@@ -117,3 +122,39 @@ def test_compiled_module_trains() -> None:
     assert testing.relative_error(y_compiled, y_eager) < 1e-2
     y_compiled.square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def check_gpu_op_fakes(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: list[torch.Tensor],
+                       shared: tuple[torch.Tensor, ...]) -> None:
+    """torch.ops.mok.gpu_moe (what torch.compile traces on CUDA tensors) on fake tensors: y, then
+    what its backward reads (mok._cuda_layer.OP_SAVED), kept or 0-element by precision and
+    save_context, the row counts data-dependent; gpu_moe_backward gives each input's gradient."""
+    from mok import _cuda_layer
+
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    El, I, _ = weights[0].shape
+    Is = shared[0].shape[0]
+    config = [-1] * 5
+    for precision, save_context, training in (("bf16", True, True), ("bf16", False, True), ("fp8", True, True),
+                                              ("fp8_dgrad", False, True), ("bf16", True, False)):
+        out = torch.ops.mok.gpu_moe(x, topk_idx, topk_w, *weights, *shared, None, "", save_context, config, precision,
+                                    training)
+        assert len(out) == 1 + len(_cuda_layer.OP_SAVED)
+        assert (tuple(out[0].shape), out[0].dtype) == ((T, H), torch.bfloat16)
+        saved = dict(zip(_cuda_layer.OP_SAVED, out[1:]))
+        if not training:
+            assert all(t.numel() == 0 for t in saved.values())
+            continue
+        assert (tuple(saved["topk_idx"].shape), saved["topk_idx"].dtype) == ((T, k), torch.int32)
+        assert tuple(saved["offsets"].shape) == (El + 1,)
+        assert saved["src_rank"].dtype == saved["src_slot"].dtype == torch.int32
+        kept = {"x_rows": save_context and precision == "bf16", "h": save_context, "gu": save_context}
+        for name, width in (("x_rows", H), ("h", I), ("gu", 2 * I)):
+            t = saved[name]
+            assert (t.dim(), t.shape[-1]) == (2, width) if kept[name] else t.numel() == 0, (precision, name)
+        assert tuple(saved["shared_gu"].shape) == (128, 2 * Is) and tuple(saved["shared_h"].shape) == (128, Is)
+        grads = torch.ops.mok.gpu_moe_backward(torch.empty_like(out[0]), x, topk_w, *weights, *shared, out[1:], None,
+                                               "", save_context, config, precision)
+        for g, t in zip(grads, [x, topk_w] + weights + list(shared)):
+            assert (g.shape, g.dtype, g.device) == (t.shape, t.dtype if t is not x else torch.bfloat16, t.device)

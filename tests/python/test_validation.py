@@ -150,13 +150,15 @@ def test_functional_api_rejects() -> None:
                               list(schedule), None, "", True)
 
 
-def test_cuda_stub_checks_then_says_not_built() -> None:
-    """The CUDA implementations run the shared checks, then raise NotImplementedError (no silent fallback)."""
+def test_cuda_stage_checks_then_names_the_gpu_path() -> None:
+    """The stages' CUDA implementations run the shared checks, then raise NotImplementedError naming
+    the GPU layer (no silent fallback)."""
     a = problem()
     schedule = list(torch.ops.mok.build_schedule(a["topk_idx"], E, ""))
     forward_args = (a["x"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], *a["shared"], schedule, None, "", True)
-    cuda_forward = mok.ops._cuda_not_built("forward", mok.ops.OPS["forward"][2])
-    with pytest.raises(NotImplementedError, match="mok: the CUDA kernels for forward are not built yet; use CPU tensors"):
+    cuda_forward = mok.ops._cuda_refused("forward", mok.ops.OPS["forward"][2])
+    with pytest.raises(NotImplementedError, match=re.escape("torch.ops.mok.forward (a stage of the explicit passes) "
+                                                            "runs on CPU tensors only; on the GPU the layer is mok.moe")):
         cuda_forward(*forward_args)
     with pytest.raises(ValueError, match="w_up is on meta but x is on cpu"):
         cuda_forward(a["x"], a["topk_w"], a["w_gate"], a["w_up"].to("meta"), *forward_args[4:])
