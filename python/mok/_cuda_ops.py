@@ -76,12 +76,16 @@ def _(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
     if T == 0 or not training:
         return [y, new(0, dtype=i32), new(0), new(0), new(0), new(0, dtype=i32), new(0, dtype=i32), new(0, dtype=i32),
                 new(0), new(0)]
+    # The workspace's row capacity and kept rows: data-dependent sizes, each made only where an
+    # output has it (tracing refuses a size that no output carries).
     ctx = torch.library.get_ctx()
-    rows, capacity = ctx.new_dynamic_size(), ctx.new_dynamic_size()  # the workspace's kept rows and row capacity
-    fp8 = precision in ("fp8", "fp8_dgrad")
-    keeps = save_context  # a replay context keeps the schedule only
-    x_rows = new(rows, H) if keeps and not fp8 else new(0)
-    h, gu = (new(rows, I), new(rows, 2 * I)) if keeps else (new(0), new(0))
+    capacity = ctx.new_dynamic_size()
+    x_rows, h, gu = new(0), new(0), new(0)
+    if save_context:  # a replay context keeps the schedule only
+        rows = ctx.new_dynamic_size()
+        h, gu = new(rows, I), new(rows, 2 * I)
+        if precision not in ("fp8", "fp8_dgrad"):  # an fp8 backward pulls the bf16 rows again
+            x_rows = new(rows, H)
     if s_gate is not None and s_up is not None and s_down is not None:
         from ._cuda_kernels import ROW_ALIGN
 
