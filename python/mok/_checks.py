@@ -80,7 +80,7 @@ def check_swiglu_limit(swiglu_limit: object) -> None:
         return
     if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
         raise TypeError(f"swiglu_limit must be a float or None, got {type(swiglu_limit).__name__}")
-    if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
+    if not 0 < swiglu_limit < math.inf:  # (comparisons, not math.isfinite: traceable on a symbolic float; NaN fails)
         raise ValueError(f"swiglu_limit must be a finite value > 0 (or None), got {swiglu_limit}")
 
 
