@@ -25,6 +25,7 @@ MoK's (the end-to-end speedup), the peak memory forward and backward add over th
     python -m bench.train --presets qwen3-30b-a3b,gpt-oss-120b --layers 4 --tokens 8192   # one GPU
     python -m bench.train --smoke                                                        # CPU, tiny
     python -m bench.train --precision fp8 --profile 30     # and where one step of each copy spends its time
+    python -m bench.train --compile                        # every block of both copies under torch.compile
     torchrun --standalone --nproc-per-node 2 -m bench.train --presets kimi-k2 --experts 96 --layers 2
 
 Under torchrun the ranks are one expert-parallel group (MoK's layer over it, the baseline with
@@ -174,6 +175,7 @@ class Row:
     speedup_vs_torch: float
     activation_peak_bytes: int  # forward + backward over the resident model
     first_loss: float
+    compiled: bool = False  # --compile: every block under torch.compile (both copies)
 
 
 def _sync(device: torch.device) -> None:
@@ -235,6 +237,9 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
         torch.manual_seed(args.seed)
         model = Decoder(p, experts, args.layers, args.vocab, device, dtype, config, group)
         model.set_impl(impl)
+        if args.compile:  # each block compiled, as frameworks compile a transformer block
+            for block in model.blocks:
+                block.compile()
         return model
 
     models = {impl: build(impl) for impl in IMPLS}
@@ -290,7 +295,8 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
     for impl in IMPLS:
         rows.append(Row(p.name if experts == p.E else f"{p.name} ({experts} experts)", experts, args.layers, ranks,
                         batch * seq, seq, impl, args.precision if impl == "mok" else "bf16", 1e3 * median[impl],
-                        ranks * batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl]))
+                        ranks * batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl],
+                        args.compile))
     del models, optims
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -302,7 +308,8 @@ def render(rows: list[Row]) -> str:
              "fwd+bwd peak GiB | first loss (rank 0) |",
              "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.preset} | {r.layers} | {r.ranks} | {r.tokens} | {r.impl} | {r.precision} | {r.step_ms:.2f} | "
+        impl = f"{r.impl} (compiled)" if r.compiled else r.impl
+        lines.append(f"| {r.preset} | {r.layers} | {r.ranks} | {r.tokens} | {impl} | {r.precision} | {r.step_ms:.2f} | "
                      f"{r.tokens_per_s:,.0f} | {r.speedup_vs_torch:.3f}x | {r.activation_peak_bytes / 2**30:.2f} | "
                      f"{r.first_loss:.5f} |")
     return "\n".join(lines)
@@ -326,6 +333,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 layers, 64 tokens, 2 steps (CPU plumbing)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timing, profile one more step of each copy and print its top N entries")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every block of both copies (MoK's layer is one op in the graph)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

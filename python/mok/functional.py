@@ -511,10 +511,12 @@ def moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tenso
                 save_context, config)
 
 
+@torch.compiler.disable
 def _moe_domains(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                  shared: Sequence[Tensor] | None, swiglu_limit: float | None, group_name: str, ranks: int,
                  save_context: bool, config: MoeConfig) -> Tensor:
-    """The layer over several NVLink domains (``config.domain_size`` ranks each; mok/_domains.py)."""
+    """The layer over several NVLink domains (``config.domain_size`` ranks each; mok/_domains.py).
+    A graph break under torch.compile (its exchanges and agreements run as eager code)."""
     from . import _domains
 
     ep = _dist.resolve(group_name)

@@ -75,3 +75,11 @@ def test_two_ranks_over_gloo(tmp_path: Path) -> None:
     assert [(r["impl"], r["ranks"]) for r in rows] == [("mok", 2), ("torch", 2)]
     assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=2e-3)
     assert rows[0]["tokens_per_s"] == pytest.approx(2 * rows[0]["tokens"] / (rows[0]["step_ms"] / 1e3), rel=1e-6)
+
+
+def test_compiled_blocks_train_alike() -> None:
+    """--compile: every block of both copies under torch.compile (MoK's layer traced as ops); the
+    first-step losses still agree (main raises otherwise) and the rows say compiled."""
+    rows = train.main(["--smoke", "--device", "cpu", "--compile"])
+    assert [(r.impl, r.compiled) for r in rows] == [("mok", True), ("torch", True)]
+    assert rows[0].first_loss == pytest.approx(rows[1].first_loss, rel=2e-3)
