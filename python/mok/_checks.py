@@ -42,16 +42,18 @@ def check_tensor(t: object, name: str, dtypes: Sequence[torch.dtype], dims: Sequ
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be {_dtype_names(dtypes)}, got {t.dtype}")
-    spec = "[" + ", ".join(label if size is None else f"{label}={size}" for label, size in dims) + "]"
+    def spec() -> str:  # made only to raise: formatting a traced size would make torch.compile fix it
+        return "[" + ", ".join(label if size is None else f"{label}={size}" for label, size in dims) + "]"
+
     if t.dim() != len(dims):
-        raise ValueError(f"{name} must have shape {spec}, got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have shape {spec()}, got {tuple(t.shape)}")
     for i, (_, size) in enumerate(dims):
         if size is not None and t.shape[i] != size:
-            raise ValueError(f"{name} must have shape {spec}, got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape {spec()}, got {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; every tensor of the layer must be on one device")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (row-major {spec}), got strides {t.stride()}; "
+        raise ValueError(f"{name} must be contiguous (row-major {spec()}), got strides {t.stride()}; "
                          "pass weight.contiguous() (weights are not copied behind your back)")
     return t
 

@@ -628,7 +628,7 @@ def op_backward(dy: Tensor | None, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_
         zeros = [torch.zeros_like(t) for t in (x, topk_w, w_gate, w_up, w_down)]
         zeros[0] = zeros[0].to(torch.bfloat16)
         return zeros + ([torch.zeros_like(t) for t in (s_gate, s_up, s_down)] if shared  # type: ignore[arg-type]
-                        else [torch.empty(0, device=x.device) for _ in range(3)])
+                        else [torch.empty(0, dtype=torch.float32, device=x.device) for _ in range(3)])
     topk_idx, x_rows, h, gu, offsets, src_rank, src_slot, shared_gu, shared_h = saved
     with torch.cuda.device(x.device):
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, True)
@@ -642,4 +642,5 @@ def op_backward(dy: Tensor | None, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_
             shared_rows = (_padded(x.to(torch.bfloat16), shared_gu.shape[0]), shared_gu, shared_h)
         dx, d_topk_w, *grads = _training_backward(ws, context, dy, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate,
                                                   s_up, s_down, shared_rows, swiglu_limit, operands, shared_operands)
-    return [dx, d_topk_w, *(g if g is not None else torch.empty(0, device=x.device) for g in grads)]
+    return [dx, d_topk_w, *(g if g is not None else torch.empty(0, dtype=torch.float32, device=x.device)
+                            for g in grads)]

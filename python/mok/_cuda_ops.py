@@ -29,8 +29,11 @@ CONFIG_FIELDS = ("comm_sms", "minibatch_rows", "ring_rows", "ring_budget_bytes",
 
 
 def config_ints(config: Any) -> list[int]:
-    """The planner fields of a MoeConfig (or None) as the op's ints."""
+    """The planner fields of a checked MoeConfig (or None) as the op's ints (its values are >= 0:
+    functional._plan_overrides refuses negative ones)."""
     values = [getattr(config, name, None) if config is not None else None for name in CONFIG_FIELDS]
+    if any(v is not None and v < 0 for v in values):
+        raise ValueError(f"MoeConfig planner fields must be >= 0 (or None), got {dict(zip(CONFIG_FIELDS, values))}")
     return [-1 if v is None else int(v) for v in values]
 
 
@@ -58,6 +61,12 @@ def gpu_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: T
     plan = _plan(config, x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, group_name)
     return _cuda_layer.op_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
                                   group_name, save_context, plan, precision, training)
+
+
+@gpu_moe.register_kernel("cpu")
+def _(x: Tensor, *args: Any) -> list[Tensor]:
+    raise NotImplementedError("mok: torch.ops.mok.gpu_moe is the GPU layer's traced form (CUDA tensors); on CPU "
+                              "tensors call mok.moe, which runs the CPU stages")
 
 
 @gpu_moe.register_fake
@@ -107,6 +116,12 @@ def gpu_moe_backward(dy: Tensor, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_up
     plan = _plan(config, x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, group_name)
     return _cuda_layer.op_backward(dy, x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, saved, swiglu_limit,
                                    group_name, save_context, plan, precision)
+
+
+@gpu_moe_backward.register_kernel("cpu")
+def _(dy: Tensor, *args: Any) -> list[Tensor]:
+    raise NotImplementedError("mok: torch.ops.mok.gpu_moe_backward is the GPU layer's traced backward (CUDA "
+                              "tensors); on CPU tensors call mok.moe, which runs the CPU stages")
 
 
 @gpu_moe_backward.register_fake

@@ -110,6 +110,10 @@ class MoeConfig:
     domain_size: int | None = None
 
 
+# MoeConfig's field names, once: traced code (torch.compile) cannot call dataclasses.fields on a class.
+_CONFIG_FIELDS = tuple(f.name for f in fields(MoeConfig))
+
+
 class Schedule(NamedTuple):
     """The routing schedule of one pass on this rank (from :func:`build_schedule`).
 
@@ -235,20 +239,20 @@ def _device_facts(device: torch.device) -> Any:
 def _check_config(config: object) -> None:
     if not isinstance(config, MoeConfig):
         raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
-    for f in fields(MoeConfig):
-        value = getattr(config, f.name)
-        if f.name == "fused_backward":
+    for name in _CONFIG_FIELDS:
+        value = getattr(config, name)
+        if name == "fused_backward":
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"MoeConfig.fused_backward must be a bool or None, got {type(value).__name__}")
-        elif f.name == "precision":
+        elif name == "precision":
             if value not in PRECISIONS:
                 raise ValueError(f"MoeConfig.precision must be one of {PRECISIONS}, got {value!r}")
-        elif f.name == "domain_size":
+        elif name == "domain_size":
             _int_or_none(value, "MoeConfig.domain_size")
             if value is not None and value < 1:
                 raise ValueError(f"MoeConfig.domain_size must be >= 1, got {value}")
         else:
-            _int_or_none(value, f"MoeConfig.{f.name}")
+            _int_or_none(value, f"MoeConfig.{name}")
 
 
 PRECISIONS = (None, "bf16", "fp8", "fp8_dgrad")
@@ -298,7 +302,7 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
         descs.append(desc)
         values: _dist.Values = dict(sizes)
         values["swiglu_limit"] = swiglu_limit
-        values.update({f"MoeConfig.{f.name}": getattr(config, f.name) for f in fields(MoeConfig)})
+        values.update({f"MoeConfig.{name}": getattr(config, name) for name in _CONFIG_FIELDS})
         return values
 
     _dist.agree(ep, "get_workspace", check)
@@ -663,31 +667,33 @@ def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up
     s_gate, s_up, s_down = _unpack_shared(shared)
     shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
                                 topk_idx=topk_idx)
-    # Traced code checks only the type (the planner is a C++ call; the stages' results do not
-    # depend on it).
-    if torch.compiler.is_compiling():
-        if config is not None and not isinstance(config, MoeConfig):
-            raise TypeError(f"config must be a mok.MoeConfig or None, got {type(config).__name__}")
-        plan = None
-    else:
-        plan = _plan_overrides(config, shape, ranks, swiglu_limit, x.device)
+    # Traced code checks the config's types and values but does not run the planner (a C++ call;
+    # the CPU stages' results do not depend on it, and the GPU op resolves it when it runs).
+    plan = _plan_overrides(config, shape, ranks, swiglu_limit, x.device, resolve=not torch.compiler.is_compiling())
     return s_gate, s_up, s_down, shape, plan
 
 
 def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: int, swiglu_limit: float | None,
-                    device: torch.device) -> dict[str, int] | None:
+                    device: torch.device, resolve: bool = True) -> dict[str, int] | None:
     """The planner's comm SMs, minibatch and ring for this layer under ``config`` (None: no config,
-    the planner's defaults). Bad values raise ValueError naming them, on every device."""
+    the planner's defaults). Bad values raise ValueError naming them, on every device. ``resolve``
+    False: the checks only (types, precision, scale blocks, no negative value), None."""
     if config is None:
         return None
     _check_config(config)
+    for name in _CONFIG_FIELDS:
+        value = getattr(config, name)
+        if name not in ("precision", "fused_backward") and value is not None and value < 0:
+            raise ValueError(f"MoeConfig.{name} must be >= 0 (or None), got {value}")
     if _precision(config) != "bf16":
         bad = {name: n for name, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
                                        ("shared intermediate", shape.shared_intermediate)) if n % 128 != 0}
         if bad:
             raise ValueError(f"mok.moe: precision={_precision(config)!r} needs whole 128-column scale blocks: "
                              + ", ".join(f"{name} {n}" for name, n in bad.items()) + " is not a multiple of 128")
-    if all(getattr(config, f.name) is None for f in fields(MoeConfig) if f.name not in ("precision", "domain_size")):
+    if not resolve:
+        return None
+    if all(getattr(config, name) is None for name in _CONFIG_FIELDS if name not in ("precision", "domain_size")):
         return None  # the planner's defaults: the same workspace as no config
     # T = 0 runs nothing, but its config is checked as for one token.
     desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,

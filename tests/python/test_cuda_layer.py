@@ -146,15 +146,17 @@ def test_a_non_finite_input_is_named() -> None:
     _cuda_layer.clear()
 
 
-@pytest.mark.parametrize("precision,save_context,limit,routing", [
-    (None, True, None, "uniform"), (None, False, 0.75, "zipf"), ("fp8_dgrad", True, 7.0, "masked"),
-    ("fp8", False, None, "zipf")])
+@pytest.mark.parametrize("precision,save_context,limit,routing,planner", [
+    (None, True, None, "uniform", {}), (None, False, 0.75, "zipf", {}), ("fp8_dgrad", True, 7.0, "masked", {}),
+    ("fp8", False, None, "zipf", {}), (None, True, None, "zipf", {"minibatch_rows": 128, "fused_backward": False})])
 def test_torch_compile_holds_the_gpu_layer_in_its_graph(precision: str | None, save_context: bool,
-                                                         limit: float | None, routing: str) -> None:
+                                                         limit: float | None, routing: str,
+                                                         planner: dict[str, object]) -> None:
     """torch.compile(fullgraph=True) of two GPU layers in a row (shared workspaces, other ops around
     them) traces them as torch.ops.mok.gpu_moe, no graph break: the compiled y and every gradient
-    are the eager call's bits, training and no_grad, and a second compiled step repeats them."""
-    config = mok.MoeConfig(precision=precision)
+    are the eager call's bits, training and no_grad, and a second compiled step repeats them. The
+    planner's overrides reach the op (resolved when it runs)."""
+    config = mok.MoeConfig(precision=precision, **planner)  # type: ignore[arg-type]
     p = testing.random_problem(200, 8, 256, 128, 2, shared_intermediate=128, swiglu_limit=limit, routing=routing,
                                seed=21, device="cuda")
     q = testing.random_problem(200, 8, 256, 128, 2, swiglu_limit=limit, routing="uniform", seed=22, device="cuda")
@@ -173,19 +175,25 @@ def test_torch_compile_holds_the_gpu_layer_in_its_graph(precision: str | None, s
              "dW_gate 2", "dW_up 2", "dW_down 2"]
     compiled = torch.compile(layers, fullgraph=True)
     results = []
-    for fn in (layers, compiled, compiled):
+    from mok import _cuda_layer
+
+    for i, fn in enumerate((layers, compiled, compiled)):
+        if i == 1:  # the compiled calls make their own workspaces (looked up when the op runs)
+            _cuda_layer.check()
+            _cuda_layer.clear()
         leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
         y = fn(*leaves)
         y.backward(dy)
         with torch.no_grad():
             y_inference = fn(*inputs)
         results.append([y.detach()] + [t.grad for t in leaves] + [y_inference])
-    from mok import _cuda_layer
-
     _cuda_layer.check()
     for other in results[1:]:
         for name, a, b in zip(names + ["y (no_grad)"], results[0], other):
             assert b is not None and torch.equal(a, b), f"{name}: compiled differs from eager"
+    if planner:
+        assert any(dict(key.plan).get("minibatch_rows") == 128 for key in _cuda_layer._WORKSPACES), \
+            "the config did not reach the compiled calls' workspace"
 
 
 def test_traced_gpu_layer_refuses_bad_inputs_at_trace_time() -> None:

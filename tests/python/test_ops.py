@@ -124,6 +124,61 @@ def test_compiled_module_trains() -> None:
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
+def test_compiled_layer_keeps_the_token_count_symbolic() -> None:
+    """Under torch.compile(dynamic=True) calls with other token counts reuse one graph: the input
+    checks do not format the traced sizes (that fixed T and recompiled for every count)."""
+    import torch._dynamo
+
+    p = testing.random_problem(16, 4, 32, 16, 2, seed=4)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda x, idx, w: mok.moe(x, idx, w, p.w_gate, p.w_up, p.w_down), fullgraph=True,
+                             dynamic=True, backend="aot_eager")
+    for T in (10, 12, 14, 16):
+        y = compiled(p.x[:T], p.topk_idx[:T], p.topk_w[:T])
+        assert torch.equal(y, mok.moe(p.x[:T], p.topk_idx[:T], p.topk_w[:T], p.w_gate, p.w_up, p.w_down))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("config,match", [(mok.MoeConfig(precision="fp16"), "MoeConfig.precision must be one of"),
+                                          (mok.MoeConfig(comm_sms=-5), "MoeConfig.comm_sms must be >= 0"),
+                                          (mok.MoeConfig(precision="fp8"), "needs whole 128-column scale blocks")])
+def test_compiled_layer_checks_the_config(config: mok.MoeConfig, match: str) -> None:
+    """Traced calls check the MoeConfig's values as eager calls do (only the planner itself waits for
+    the run), so a bad one cannot slip through a compiled graph."""
+    p = testing.random_problem(8, 4, 32, 16, 2, seed=5)
+    with pytest.raises(Exception, match=match):
+        torch.compile(lambda x: mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=config),
+                      fullgraph=True, backend="aot_eager")(p.x)
+    good = mok.MoeConfig(minibatch_rows=128, fused_backward=False)  # and a good one traces in one graph
+    y = torch.compile(lambda x: mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, config=good),
+                      fullgraph=True, backend="aot_eager")(p.x)
+    assert torch.equal(y, mok.moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down))
+
+
+def test_gpu_op_resolves_the_config_as_the_layer_does() -> None:
+    """The GPU op's config ints give the planner's overrides that mok.moe's own check gives."""
+    from mok import _checks, _cuda_ops, functional
+
+    p = testing.random_problem(300, 8, 256, 128, 2, seed=6)
+    shape = _checks.check_layer(p.x, p.topk_w, p.w_gate, p.w_up, p.w_down, None, None, None, None)
+    for config in (None, mok.MoeConfig(), mok.MoeConfig(minibatch_rows=128, ring_rows=256),
+                   mok.MoeConfig(fused_backward=False, comm_sms=0)):
+        want = functional._plan_overrides(config, shape, 1, None, p.x.device)
+        got = _cuda_ops._plan(_cuda_ops.config_ints(config), p.x, p.topk_w, p.w_gate, p.w_up, p.w_down, None, None,
+                              None, None, "")
+        assert got == want, config
+    assert _cuda_ops._plan(_cuda_ops.config_ints(mok.MoeConfig(minibatch_rows=128)), p.x, p.topk_w, p.w_gate,
+                           p.w_up, p.w_down, None, None, None, None, "")["minibatch_rows"] == 128
+
+
+def test_gpu_op_on_cpu_tensors_names_the_layer() -> None:
+    p = testing.random_problem(8, 4, 32, 16, 2, seed=7)
+    with pytest.raises(NotImplementedError, match="gpu_moe is the GPU layer's traced form"):
+        torch.ops.mok.gpu_moe(p.x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, None, None, None, None, "",
+                              True, [-1] * 5, "bf16", False)
+
+
 def check_gpu_op_fakes(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: list[torch.Tensor],
                        shared: tuple[torch.Tensor, ...]) -> None:
     """torch.ops.mok.gpu_moe (what torch.compile traces on CUDA tensors) on fake tensors: y, then
