@@ -16,6 +16,9 @@ torch        the same module's parameters and router through the torch baseline 
              un-sort, the fp32 weighted sum (bench/impls/torch_a2a.py: ``alltoall_moe``)
 ===========  ====================================================================================
 
+With ``--compile`` every block of both copies runs under ``torch.compile`` (MoK's layer is one op in
+the graph); ``--compile both`` adds compiled copies beside the eager ones, four copies in turn.
+
 A step is forward, cross-entropy loss, backward and ``torch.optim.AdamW`` (fused on the GPU); both copies take their
 steps in turn (mok, torch, mok, ...) on the same batches, so clocks under the power cap treat them
 alike. Printed per preset: the median step time of each, tokens per second, torch's time over
@@ -26,6 +29,7 @@ MoK's (the end-to-end speedup), the peak memory forward and backward add over th
     python -m bench.train --smoke                                                        # CPU, tiny
     python -m bench.train --precision fp8 --profile 30     # and where one step of each copy spends its time
     python -m bench.train --compile                        # every block of both copies under torch.compile
+    python -m bench.train --compile both                   # eager and compiled copies, in turn in one process
     torchrun --standalone --nproc-per-node 2 -m bench.train --presets kimi-k2 --experts 96 --layers 2
 
 Under torchrun the ranks are one expert-parallel group (MoK's layer over it, the baseline with
@@ -230,45 +234,52 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
     dtype = torch.bfloat16
     config = None if args.precision == "bf16" else mok.MoeConfig(precision=args.precision)
 
-    def build(impl: str) -> Decoder:
-        # The same seed for both copies and on every rank: the copies start equal, and so do the
+    def build(impl: str, compiled: bool) -> Decoder:
+        # The same seed for every copy and on every rank: the copies start equal, and so do the
         # replicated parameters across ranks (each rank's experts start as the others' do; the
         # timing does not care).
         torch.manual_seed(args.seed)
         model = Decoder(p, experts, args.layers, args.vocab, device, dtype, config, group)
         model.set_impl(impl)
-        if args.compile:  # each block compiled, as frameworks compile a transformer block
+        if compiled:  # each block compiled, as frameworks compile a transformer block
             for block in model.blocks:
                 block.compile()
         return model
 
-    models = {impl: build(impl) for impl in IMPLS}
+    # The copies: (key, impl, compiled). --compile both: eager and compiled copies of each layer in
+    # one process, taking their steps in turn (a same-process A/B of compiling).
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
+    copies = [(impl + ("+compile" if c else ""), impl, c) for c in modes for impl in IMPLS]
+    keys = [key for key, _, _ in copies]
+    models = {key: build(impl, c) for key, impl, c in copies}
     # AdamW in one fused kernel per step on the GPU, as training frameworks run it (the foreach form
     # took ~34 of ~80 ms a step here, the same in both copies); foreach on the CPU.
     fused = device.type == "cuda"
-    optims = {impl: torch.optim.AdamW(m.parameters(), lr=args.lr, fused=fused, foreach=not fused)
-              for impl, m in models.items()}
+    optims = {key: torch.optim.AdamW(m.parameters(), lr=args.lr, fused=fused, foreach=not fused)
+              for key, m in models.items()}
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1 + rank)  # each rank its own batches
     batches = [torch.randint(0, args.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
 
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    peaks: dict[str, int] = {impl: 0 for impl in IMPLS}
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    peaks: dict[str, int] = {key: 0 for key in keys}
     first: dict[str, float] = {}
     for step in range(args.warmup + args.steps):
         tokens = batches[step % len(batches)]
-        for impl in IMPLS:
+        for key in keys:
             _sync(device)
             t0 = time.perf_counter()
-            loss, peak = train_step(models[impl], optims[impl], tokens, group, device)
+            loss, peak = train_step(models[key], optims[key], tokens, group, device)
             elapsed = time.perf_counter() - t0
             if step == 0:
-                first[impl] = float(loss.detach())
+                first[key] = float(loss.detach())
             if step >= args.warmup:
-                times[impl].append(elapsed)
-                peaks[impl] = max(peaks[impl], peak)
-    # The same parameters and batch: the first losses agree to the layers' bf16 rounding, on every
-    # rank; every rank learns of any rank's disagreement and raises (none is left in a collective).
-    agree = math.isclose(first["mok"], first["torch"], rel_tol=args.loss_rtol)
+                times[key].append(elapsed)
+                peaks[key] = max(peaks[key], peak)
+    # The same parameters and batch: every copy's first loss agrees with the first torch copy's to
+    # the layers' bf16 rounding, on every rank; every rank learns of any rank's disagreement and
+    # raises (none is left in a collective).
+    base = next(key for key, impl, _ in copies if impl == "torch")
+    agree = all(math.isclose(first[key], first[base], rel_tol=args.loss_rtol) for key in keys)
     disagreeing = [] if agree else [rank]
     if ranks > 1:
         flags = torch.zeros(ranks, dtype=torch.int32, device=device)
@@ -276,27 +287,29 @@ def run_preset(p: Preset, args: argparse.Namespace, device: torch.device,
         dist.all_reduce(flags, group=group)
         disagreeing = [r for r, f in enumerate(flags.tolist()) if f]
     if disagreeing:
+        losses = ", ".join(f"{key} {first[key]:.6f}" for key in keys)
         raise RuntimeError(f"{p.name}: the first-step losses differ beyond {args.loss_rtol} on rank(s) "
-                           f"{disagreeing} (this rank {rank}: mok {first['mok']:.6f}, torch {first['torch']:.6f})")
+                           f"{disagreeing} (this rank {rank}: {losses})")
     if ranks > 1:  # each step's time is the slowest rank's; the peaks the largest
-        for impl in IMPLS:
-            t = torch.tensor(times[impl] + [float(peaks[impl])], dtype=torch.float64, device=device)
+        for key in keys:
+            t = torch.tensor(times[key] + [float(peaks[key])], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            times[impl], peaks[impl] = t[:-1].tolist(), int(t[-1].item())
+            times[key], peaks[key] = t[:-1].tolist(), int(t[-1].item())
     if args.profile:  # one more step of each copy under the profiler (every rank: collectives), rank 0 prints
         tokens = batches[0]
-        for impl in IMPLS:
-            table = profile_step(models[impl], optims[impl], tokens, group, device, args.profile)
+        for key, impl, _ in copies:
+            table = profile_step(models[key], optims[key], tokens, group, device, args.profile)
             if rank == 0:
-                print(f"### {p.name}, {impl} ({args.precision if impl == 'mok' else 'bf16'}): one step's top "
+                print(f"### {p.name}, {key} ({args.precision if impl == 'mok' else 'bf16'}): one step's top "
                       f"{args.profile} entries by self time\n" + table, flush=True)
-    median = {impl: statistics.median(times[impl]) for impl in IMPLS}
+    median = {key: statistics.median(times[key]) for key in keys}
     rows = []
-    for impl in IMPLS:
+    for key, impl, compiled in copies:
+        torch_key = "torch+compile" if compiled else "torch"  # against the torch copy compiled alike
         rows.append(Row(p.name if experts == p.E else f"{p.name} ({experts} experts)", experts, args.layers, ranks,
-                        batch * seq, seq, impl, args.precision if impl == "mok" else "bf16", 1e3 * median[impl],
-                        ranks * batch * seq / median[impl], median["torch"] / median[impl], peaks[impl], first[impl],
-                        args.compile))
+                        batch * seq, seq, impl, args.precision if impl == "mok" else "bf16", 1e3 * median[key],
+                        ranks * batch * seq / median[key], median[torch_key] / median[key], peaks[key], first[key],
+                        compiled))
     del models, optims
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -333,8 +346,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 layers, 64 tokens, 2 steps (CPU plumbing)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timing, profile one more step of each copy and print its top N entries")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile every block of both copies (MoK's layer is one op in the graph)")
+    ap.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                    help="torch.compile every block of both copies (MoK's layer is one op in the graph); 'both': "
+                         "eager and compiled copies of each in one process")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

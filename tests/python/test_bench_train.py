@@ -78,8 +78,11 @@ def test_two_ranks_over_gloo(tmp_path: Path) -> None:
 
 
 def test_compiled_blocks_train_alike() -> None:
-    """--compile: every block of both copies under torch.compile (MoK's layer traced as ops); the
-    first-step losses still agree (main raises otherwise) and the rows say compiled."""
-    rows = train.main(["--smoke", "--device", "cpu", "--compile"])
-    assert [(r.impl, r.compiled) for r in rows] == [("mok", True), ("torch", True)]
-    assert rows[0].first_loss == pytest.approx(rows[1].first_loss, rel=2e-3)
+    """--compile both: eager and compiled copies (every block under torch.compile, MoK's layer traced
+    as ops) train in turn in one process; every first-step loss agrees (main raises otherwise), the
+    rows say which copy, and each compiled row's speedup is against the compiled torch copy."""
+    rows = train.main(["--smoke", "--device", "cpu", "--compile", "both"])
+    assert [(r.impl, r.compiled) for r in rows] == [("mok", False), ("torch", False), ("mok", True), ("torch", True)]
+    assert all(r.first_loss == pytest.approx(rows[1].first_loss, rel=2e-3) for r in rows)
+    assert rows[2].speedup_vs_torch == pytest.approx(rows[3].step_ms / rows[2].step_ms, rel=1e-9)
+    assert rows[0].speedup_vs_torch == pytest.approx(rows[1].step_ms / rows[0].step_ms, rel=1e-9)
