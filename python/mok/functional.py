@@ -623,7 +623,7 @@ def _moe_cuda_op(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_
     from . import _cuda_ops
 
     s_gate, s_up, s_down, _, _ = _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config,
-                                            ranks)
+                                            ranks, resolve=False)
     leaves = (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     outputs = torch.ops.mok.gpu_moe(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
@@ -662,14 +662,16 @@ def _moe_cuda_eager(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor,
 
 def _check_moe(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                shared: Sequence[Tensor] | None, swiglu_limit: float | None, config: MoeConfig | None,
-               ranks: int) -> tuple[Tensor | None, Tensor | None, Tensor | None, _checks.LayerShape,
-                                    dict[str, int] | None]:
+               ranks: int, resolve: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None,
+                                                          _checks.LayerShape, dict[str, int] | None]:
     s_gate, s_up, s_down = _unpack_shared(shared)
     shape = _checks.check_layer(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit,
                                 topk_idx=topk_idx)
-    # Traced code checks the config's types and values but does not run the planner (a C++ call;
-    # the CPU stages' results do not depend on it, and the GPU op resolves it when it runs).
-    plan = _plan_overrides(config, shape, ranks, swiglu_limit, x.device, resolve=not torch.compiler.is_compiling())
+    # Traced code (and the GPU op's caller, resolve=False) checks the config's types and values but
+    # does not run the planner (a C++ call; the CPU stages' results do not depend on it, and the GPU
+    # op resolves it when it runs).
+    plan = _plan_overrides(config, shape, ranks, swiglu_limit, x.device,
+                           resolve=resolve and not torch.compiler.is_compiling())
     return s_gate, s_up, s_down, shape, plan
 
 

@@ -63,6 +63,9 @@ def test_fake_tensors(device: str) -> None:
                        for s in ((Is, H), (Is, H), (H, Is)))
         y = mok.moe(x, topk_idx, topk_w, *weights, shared)
         assert (tuple(y.shape), y.dtype, y.device.type) == ((T, H), torch.bfloat16, device)
+        # With planner overrides too: fake CUDA tensors need no GPU (the GPU op's planner runs with it).
+        tuned = mok.moe(x, topk_idx, topk_w, *weights, shared, config=mok.MoeConfig(minibatch_rows=128))
+        assert (tuple(tuned.shape), tuned.dtype, tuned.device.type) == ((T, H), torch.bfloat16, device)
         schedule = torch.ops.mok.build_schedule(topk_idx, E, "")
         assert [t.dtype for t in schedule] == [torch.int64, torch.int32, torch.int32, torch.int64, torch.int64,
                                                torch.int64, torch.int64]
