@@ -222,6 +222,18 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
     return y
 
 
+def _layer_fp8_operands(ws: _Workspace, w_gate: Tensor, w_up: Tensor, w_down: Tensor, s_gate: Tensor | None,
+                        s_up: Tensor | None, s_down: Tensor | None) -> tuple[Any, Any]:
+    """The routed and the shared experts' e4m3 operands (_fp8_operands) at the workspace's precision,
+    each (None, None) where there is none (a bf16 workspace, no shared expert)."""
+    if not ws.fused.fp8:
+        return (None, None), (None, None)
+    precision = "fp8_dgrad" if ws.fused.fp8_dgrad else "fp8"
+    shared = s_gate is not None and s_up is not None and s_down is not None
+    return (_fp8_operands(w_gate, w_up, w_down, precision),
+            _fp8_operands(s_gate, s_up, s_down, precision) if shared else (None, None))  # type: ignore[arg-type]
+
+
 def _training_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
                       w_down: Tensor, s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None,
                       swiglu_limit: float | None, save_context: bool
@@ -231,12 +243,9 @@ def _training_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tenso
     e4m3 operands at fp8 or (None, None)). save_context=False keeps x and the schedule only; the
     backward replays the rows (less memory between the passes, a faster forward, the same bits; at
     fp8 the replay quantizes the pulled rows and reruns the fp8 gate|up)."""
-    fp8 = ws.fused.fp8
     context = ws.fused.new_context(x.device, replay=not save_context)
     shared = s_gate is not None and s_up is not None and s_down is not None
-    precision = "fp8_dgrad" if ws.fused.fp8_dgrad else "fp8"
-    operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
-    shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
+    operands, shared_operands = _layer_fp8_operands(ws, w_gate, w_up, w_down, s_gate, s_up, s_down)
     y_shared = None
     kept: tuple[Tensor | None, ...] = (None, None, None)
     if shared:  # before the call: its cooperative megakernel leaves no SM to run beside
@@ -342,6 +351,11 @@ class _FusedMoe(torch.autograd.Function):
 _SHARED_ROWS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
 
+def shared_row_count(tokens: int) -> int:
+    """The shared expert's rows: every token, rounded up to the kernels' row alignment."""
+    return -(-tokens // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
+
+
 def _shared_rows(tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The shared expert as one expert of the grouped kernels: its offsets [0, rows] (int32, rows
     = tokens rounded up to the kernels' row alignment) and its rows' weights (1, 0 for padding).
@@ -349,7 +363,7 @@ def _shared_rows(tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
     key = (device.index or 0, tokens)
     if key not in _SHARED_ROWS:
         _refuse_in_capture("the shared expert's row table")
-        rows = -(-tokens // kernels.ROW_ALIGN) * kernels.ROW_ALIGN
+        rows = shared_row_count(tokens)
         offsets = torch.tensor([0, rows], dtype=torch.int32, device=device)
         weight = torch.zeros(rows, dtype=torch.float32, device=device)
         weight[:tokens] = 1.0
@@ -634,9 +648,7 @@ def op_backward(dy: Tensor | None, x: Tensor, topk_w: Tensor, w_gate: Tensor, w_
         ws = workspace(group_name, x, w_gate, topk_w.shape[1], swiglu_limit, plan, precision, True)
         context = kernels.Context.of(not save_context, x_rows if x_rows.numel() else None,
                                      h if h.numel() else None, gu if gu.numel() else None, offsets, src_rank, src_slot)
-        fp8 = ws.fused.fp8
-        operands = _fp8_operands(w_gate, w_up, w_down, precision) if fp8 else (None, None)
-        shared_operands = _fp8_operands(s_gate, s_up, s_down, precision) if fp8 and shared else (None, None)
+        operands, shared_operands = _layer_fp8_operands(ws, w_gate, w_up, w_down, s_gate, s_up, s_down)
         shared_rows: tuple[Tensor, ...] = ()
         if shared:
             shared_rows = (_padded(x.to(torch.bfloat16), shared_gu.shape[0]), shared_gu, shared_h)

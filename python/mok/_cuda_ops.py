@@ -29,11 +29,9 @@ CONFIG_FIELDS = ("comm_sms", "minibatch_rows", "ring_rows", "ring_budget_bytes",
 
 
 def config_ints(config: Any) -> list[int]:
-    """The planner fields of a checked MoeConfig (or None) as the op's ints (its values are >= 0:
-    functional._plan_overrides refuses negative ones)."""
+    """The planner fields of a checked MoeConfig (or None) as the op's ints (functional._check_config
+    refuses negative values, so -1 means only "not given")."""
     values = [getattr(config, name, None) if config is not None else None for name in CONFIG_FIELDS]
-    if any(v is not None and v < 0 for v in values):
-        raise ValueError(f"MoeConfig planner fields must be >= 0 (or None), got {dict(zip(CONFIG_FIELDS, values))}")
     return [-1 if v is None else int(v) for v in values]
 
 
@@ -96,9 +94,9 @@ def _(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
         if precision not in ("fp8", "fp8_dgrad"):  # an fp8 backward pulls the bf16 rows again
             x_rows = new(rows, H)
     if s_gate is not None and s_up is not None and s_down is not None:
-        from ._cuda_kernels import ROW_ALIGN
+        from ._cuda_layer import shared_row_count
 
-        shared_rows, Is = -(-T // ROW_ALIGN) * ROW_ALIGN, s_gate.shape[0]
+        shared_rows, Is = shared_row_count(T), s_gate.shape[0]
         shared = [new(shared_rows, 2 * Is), new(shared_rows, Is)]
     else:
         shared = [new(0), new(0)]

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, _dist
-from . import _cuda_ops  # noqa: F401  (registers torch.ops.mok.gpu_moe*)
+from . import _cuda_ops  # registers torch.ops.mok.gpu_moe*
 from . import ops as _ops  # noqa: F401  (registers torch.ops.mok.*)
 from ._ext import _C
 
@@ -253,6 +253,8 @@ def _check_config(config: object) -> None:
                 raise ValueError(f"MoeConfig.domain_size must be >= 1, got {value}")
         else:
             _int_or_none(value, f"MoeConfig.{name}")
+            if value is not None and value < 0:
+                raise ValueError(f"MoeConfig.{name} must be >= 0 (or None), got {value}")
 
 
 PRECISIONS = (None, "bf16", "fp8", "fp8_dgrad")
@@ -620,12 +622,11 @@ def _moe_cuda_op(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_
                  save_context: bool, config: MoeConfig | None) -> Tensor:
     """The traced GPU layer: the checks on the inputs' metadata (at trace time), then one op. The
     planner's overrides and the workspace are resolved when the op runs."""
-    from . import _cuda_ops
-
     s_gate, s_up, s_down, _, _ = _check_moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, config,
                                             ranks, resolve=False)
-    leaves = (x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    from . import _cuda_layer
+
+    training = _cuda_layer.needs_grad(x, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
     outputs = torch.ops.mok.gpu_moe(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
                                     s_gate, s_up, s_down, None if swiglu_limit is None else float(swiglu_limit),
                                     group_name, save_context, _cuda_ops.config_ints(config), _precision(config),
@@ -683,10 +684,6 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
     if config is None:
         return None
     _check_config(config)
-    for name in _CONFIG_FIELDS:
-        value = getattr(config, name)
-        if name not in ("precision", "fused_backward") and value is not None and value < 0:
-            raise ValueError(f"MoeConfig.{name} must be >= 0 (or None), got {value}")
     if _precision(config) != "bf16":
         bad = {name: n for name, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
                                        ("shared intermediate", shape.shared_intermediate)) if n % 128 != 0}
