@@ -512,7 +512,9 @@ void mok_cuda_forward_destroy(void* handle) { delete static_cast<ForwardHandle*>
 // rank's symmetric buffer as seen from this device; y_shared (optional) [T, H] bf16, and
 // y_shared_ready (optional) a cudaEvent_t recorded after it on another stream. Every rank
 // must make the same sequence of calls (forward and backward share one epoch sequence).
-// Context (on a keep_rows handle): what the forward keeps for its backward. Its schedule:
+// schedule_given = 1: the context's schedule buffers hold this call's schedule already
+// (mok_cuda_schedule_run built it from the topk_idx every rank has written again): the call does
+// not build it. Context (on a keep_rows handle): what the forward keeps for its backward. Its schedule:
 // offsets [El+1] int32, src_rank / src_slot [row capacity] int32; and either its rows, x_rows
 // [context rows, H], h [context rows, I], gu [context rows, 2I] bf16 (a kept context), or none of
 // them (a replay context: the forward runs in the handle's ring and its backward replays the
@@ -547,8 +549,11 @@ Kept context_kind(const ForwardHandle& h, const Context& c) {
 // Points a forward call at what it keeps in c (checked by context_kind): the schedule, and with
 // rows h and g|u at every row's schedule position (bf16: the context's x rows and h are the ring;
 // fp8: the handle's ring is the row capacity already and holds the codes).
-void keep_context(const ForwardHandle& h, const Context& c, mok::cuda::MoeForwardArgs& a) {
+void keep_context(const ForwardHandle& h, const Context& c, int schedule_given, mok::cuda::MoeForwardArgs& a) {
   const Kept kept = context_kind(h, c);
+  if (schedule_given && kept == Kept::nothing)
+    throw std::invalid_argument("schedule_given: the context's schedule buffers hold the schedule; give them");
+  a.schedule_given = schedule_given != 0;
   if (kept == Kept::rows) {
     if (!h.fp8) {
       a.ring_x = c.x_rows;
@@ -567,14 +572,15 @@ void keep_context(const ForwardHandle& h, const Context& c, mok::cuda::MoeForwar
 
 int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate, const void* w_up, const void* w_down,
                          const void* y_shared, void* y_shared_ready, void* y, void* ctx_x_rows, void* ctx_h, void* ctx_gu, void* ctx_offsets,
-                         void* ctx_src_rank, void* ctx_src_slot, void* stream, char* error, int error_len) {
+                         void* ctx_src_rank, void* ctx_src_slot, int schedule_given, void* stream, char* error,
+                         int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (h->fp8) throw std::invalid_argument("this forward was made with fp8: call mok_cuda_forward_run_fp8");
     const Context c{ctx_x_rows, ctx_h, ctx_gu, ctx_offsets, ctx_src_rank, ctx_src_slot};
     void* table[mok::cuda::kMaxRanks];
     mok::cuda::MoeForwardArgs a = forward_call(*h, bases, table, w_gate, w_up, w_down, y_shared, y_shared_ready, y);
-    keep_context(*h, c, a);
+    keep_context(*h, c, schedule_given, a);
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
   });
 }
@@ -586,8 +592,8 @@ int mok_cuda_forward_run(void* handle, const int64_t* bases, const void* w_gate,
 int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_gate, const void* w_gate_scales,
                              const void* w_up, const void* w_up_scales, const void* w_down, const void* w_down_scales,
                              const void* y_shared, void* y_shared_ready, void* y, void* ctx_x_rows, void* ctx_h,
-                             void* ctx_gu, void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot, void* stream,
-                             char* error, int error_len) {
+                             void* ctx_gu, void* ctx_offsets, void* ctx_src_rank, void* ctx_src_slot,
+                             int schedule_given, void* stream, char* error, int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->fp8) throw std::invalid_argument("this forward was made without fp8: call mok_cuda_forward_run");
@@ -597,7 +603,7 @@ int mok_cuda_forward_run_fp8(void* handle, const int64_t* bases, const void* w_g
     a.w_gate_scales = static_cast<const float*>(w_gate_scales);
     a.w_up_scales = static_cast<const float*>(w_up_scales);
     a.w_down_scales = static_cast<const float*>(w_down_scales);
-    keep_context(*h, c, a);
+    keep_context(*h, c, schedule_given, a);
     run_in_sequence(*h, a, mok::cuda::moe_forward, stream);
   });
 }
@@ -663,6 +669,29 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
     b.w_gate_up_t_codes = w_gate_up_t;
     b.w_gate_up_t_scales = static_cast<const float*>(w_gate_up_t_scales);
     run_in_sequence(*h, b, mok::cuda::moe_backward, stream);
+  });
+}
+
+// This rank's schedule alone (megakernel.h: moe_schedule), one call of the sequence: every rank
+// has written its topk_idx into its symmetric buffer. offsets [El+1], src_rank and src_slot [row
+// capacity] int32 (a context's schedule buffers, which a later forward with schedule_given runs
+// on); rows (optional) [El] int32, each expert's real rows.
+int mok_cuda_schedule_run(void* handle, const int64_t* bases, void* offsets, void* rows, void* src_rank, void* src_slot,
+                          void* stream, char* error, int error_len) {
+  return handle_call(error, error_len, [&] {
+    auto* h = static_cast<ForwardHandle*>(handle);
+    if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it keeps no schedule");
+    if (!offsets || !src_rank || !src_slot)
+      throw std::invalid_argument("give the schedule's buffers (offsets, src_rank, src_slot)");
+    void* table[mok::cuda::kMaxRanks];
+    bind_bases(*h, bases, table);
+    mok::cuda::MoeForwardArgs a = h->args;
+    a.bases = table;
+    a.expert_offsets = static_cast<int32_t*>(offsets);
+    if (rows != nullptr) a.expert_rows = static_cast<int32_t*>(rows);
+    a.src_rank = static_cast<int32_t*>(src_rank);
+    a.src_slot = static_cast<int32_t*>(src_slot);
+    run_in_sequence(*h, a, mok::cuda::moe_schedule, stream);
   });
 }
 

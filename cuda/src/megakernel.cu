@@ -102,7 +102,7 @@ int experiment_local_peer([[maybe_unused]] const char* which, [[maybe_unused]] i
 // The passes a call word names: every kind of call two ranks could be making at one epoch.
 enum CallPass : int {
   kForwardCall = 1, kBackwardCall = 2, kReplayBackwardCall = 3, kFp8ForwardCall = 4, kFp8BackwardCall = 5,
-  kFp8ReplayBackwardCall = 6
+  kFp8ReplayBackwardCall = 6, kScheduleCall = 7
 };
 
 unsigned long long call_word(const RoutingShape& s, int64_t hidden, int64_t intermediate,
@@ -592,6 +592,68 @@ void launch_fp8_megakernel(const MoeForwardArgs& a, int sms, int comm, cudaStrea
 
 }  // namespace
 
+namespace {
+
+// The schedule build of a call (routing.h) from every rank's topk_idx, whose addresses go in
+// `table` (kMaxRanks entries, kept by the caller while the arguments are used).
+ScheduleArgs schedule_args(const MoeForwardArgs& a, const int32_t** table) {
+  for (int s = 0; s < int(a.shape.ranks) && s < kMaxRanks; ++s)
+    table[s] = SymmetricLayout::at<const int32_t>(a.bases[s], a.layout.topk_idx);
+  ScheduleArgs sa;
+  sa.shape = a.shape;
+  sa.dest_rank = a.rank;
+  sa.topk_idx = table;
+  sa.expert_offsets = a.expert_offsets;
+  sa.expert_rows = a.expert_rows;
+  sa.src_rank = a.src_rank;
+  sa.src_slot = a.src_slot;
+  sa.row_capacity = a.row_capacity;
+  sa.workspace = a.schedule_workspace;
+  sa.status = a.routing_status;
+  sa.given_up_words = a.status;  // a start barrier that gave up leaves an empty schedule
+  return sa;
+}
+
+}  // namespace
+
+std::string can_implement_schedule(const MoeForwardArgs& a) {
+  std::ostringstream why;
+  why << common_checks(a.shape, a.rank, a.hidden, a.layout, a.bases, a.row_capacity, a.epoch, a.epoch_counter,
+                        a.timeout_s);
+  if (a.status == nullptr) why << "status must not be null; ";
+  if (why.tellp() == 0) {  // the bases are valid: the schedule's own checks
+    const int32_t* table[kMaxRanks];
+    why << can_implement(schedule_args(a, table));
+  }
+  return host_util::trimmed(why.str());
+}
+
+void moe_schedule(const MoeForwardArgs& a, cudaStream_t stream) {
+  if (const std::string why = can_implement_schedule(a); !why.empty())
+    throw std::invalid_argument("mok moe_schedule: " + why);
+  host_util::bind_context();
+  refuse_capture_with_peers(a.shape, a.epoch_counter, stream, "mok moe_schedule");
+  const int R = int(a.shape.ranks), me = int(a.rank);
+  const SymmetricLayout& l = a.layout;
+  void* mine = a.bases[me];
+  const detail::WaitStatus status{a.status, me, static_cast<uint64_t>(a.timeout_s * 1e9)};
+  preload_kernels();  // before the barrier spins (see moe_forward)
+  const int32_t* topk_idx[kMaxRanks];
+  const ScheduleArgs sa = schedule_args(a, topk_idx);
+  begin_call(a.status, a.epoch_counter, a.epoch, stream);
+  // 1. Every rank's topk_idx is written, and every rank makes this call.
+  barrier(R, status, detail::kWaitBarrier, true,
+          [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
+          [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
+          call_word(a.shape, a.hidden, a.intermediate, a.swiglu_limit, kScheduleCall));
+  // 2. The schedule.
+  build_schedule(sa, stream);
+  // 3. Every rank has read every rank's topk_idx (the combine's arrival words: this call pushes no rows).
+  barrier(R, status, detail::kWaitScheduled, true,
+          [&](int s) { return signal_word(a.bases[s], l.combine_arrived(me)); },
+          [&](int s) { return signal_word(mine, l.combine_arrived(s)); }, stream);
+}
+
 void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
   if (const std::string why = can_implement(a); !why.empty()) throw std::invalid_argument("mok moe_forward: " + why);
   host_util::bind_context();
@@ -618,19 +680,7 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
     throw std::invalid_argument("mok moe_forward: comm_ctas must be in [0, CTAs) to leave compute CTAs (comm_ctas " +
                                 std::to_string(comm) + ", CTAs " + std::to_string(sms) + ")");
   const int32_t* topk_idx[kMaxRanks];
-  for (int s = 0; s < R; ++s) topk_idx[s] = SymmetricLayout::at<const int32_t>(a.bases[s], l.topk_idx);
-  ScheduleArgs sa;
-  sa.shape = shape;
-  sa.dest_rank = me;
-  sa.topk_idx = topk_idx;
-  sa.expert_offsets = a.expert_offsets;
-  sa.expert_rows = a.expert_rows;
-  sa.src_rank = a.src_rank;
-  sa.src_slot = a.src_slot;
-  sa.row_capacity = a.row_capacity;
-  sa.workspace = a.schedule_workspace;
-  sa.status = a.routing_status;
-  sa.given_up_words = a.status;  // a start barrier that gave up leaves an empty schedule
+  const ScheduleArgs sa = schedule_args(a, topk_idx);
   CombineArgs c;
   c.tokens = shape.tokens_per_rank;
   c.hidden = H;
@@ -669,8 +719,9 @@ void moe_forward(const MoeForwardArgs& a, cudaStream_t stream) {
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(shape, H, I, a.swiglu_limit, a.fp8 ? kFp8ForwardCall : kForwardCall));
 
-  // 2. This rank's schedule from every rank's topk_idx, and its token links (each token pulled once).
-  build_schedule(sa, stream);
+  // 2. This rank's schedule from every rank's topk_idx (unless given), and its token links (each
+  //    token pulled once).
+  if (!a.schedule_given) build_schedule(sa, stream);
   if (links) link_token_rows(shape, schedule, a.token_links, stream);
 
   // 3. The megakernel.
@@ -1017,6 +1068,11 @@ std::string describe_wait_status(const int32_t w[kFailureWords]) {
     case detail::kWaitGrads:
       out << "rank " << rank << " timed out waiting for rank " << where
           << " to push its dx and d topk_w rows (saw epoch " << seen << ", wanted " << epoch << ")";
+      break;
+    case detail::kWaitScheduled:
+      out << "rank " << rank << " timed out after its schedule waiting for rank " << where
+          << " to finish reading the routing (saw epoch " << seen << ", wanted " << epoch
+          << "): that rank did not make this schedule call";
       break;
     case detail::kWaitCombine:
       out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "

@@ -51,6 +51,9 @@ struct RunConfig {
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
   bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; its backward: fp8_forward)
   bool fp8_dgrad = false;  // with fp8 and backward: Precision::fp8_dgrad's backward (stage kernels, e4m3 data gradients)
+  // Each forward's schedule built first in a call of its own (moe_schedule, one more epoch), and the
+  // forward run on it (schedule_given): the explicit passes' build_schedule and forward. Not with graph.
+  bool schedule_first = false;
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -275,7 +278,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       }
       a.gu = cfg.replay ? nullptr : rk.gu->ptr;
       a.y = rk.y->ptr;
-      a.epoch = uint32_t(cfg.backward ? 2 * run - 1 : run);
+      // Per run: [the schedule,] the forward[, the backward], one epoch each.
+      const int calls = 1 + int(cfg.backward) + int(cfg.schedule_first);
+      a.epoch = uint32_t((run - 1) * calls + 1 + int(cfg.schedule_first));
       a.comm_ctas = cfg.comm_ctas;
       a.num_sms = ctas;
       a.claim_tasks = cfg.claim_tasks;
@@ -291,6 +296,12 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
             EXPECT_EQ(cudaGraphLaunch(forward_graphs[r].exec, rk.stream), cudaSuccess);
         } else {
           Capture capture(cfg.capture, rk.stream);
+          if (cfg.schedule_first) {
+            cuda::MoeForwardArgs schedule = a;
+            schedule.epoch = a.epoch - 1;
+            cuda::moe_schedule(schedule, rk.stream);
+            a.schedule_given = true;
+          }
           cuda::moe_forward(a, rk.stream);
         }
       } catch (const std::exception& e) {
@@ -333,7 +344,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
       }
       b.dx = rk.dx->ptr;
       b.d_topk_w = rk.d_topk_w->ptr;
-      b.epoch = uint32_t(2 * run);
+      b.epoch = uint32_t((run - 1) * (2 + int(cfg.schedule_first)) + 2 + int(cfg.schedule_first));
       b.num_sms = ctas;
       b.fused = !cfg.stage_backward;
       if (cfg.fp8_dgrad) {
@@ -895,6 +906,44 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"R2_one_expert", desc(2, 130, 256, 128, 8, 2), RoutingKind::one_expert},
                       Case{"R2_empty_slots", desc(2, 257, 256, 384, 8, 2), RoutingKind::masked}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The explicit passes' order: a schedule call of its own (moe_schedule: start barrier, schedule,
+// end barrier), then the forward on that schedule (schedule_given) and the backward. The same
+// bits as the forward that builds its own schedule, on 1 and 2 ranks (sharing one GPU, and on two
+// GPUs when there are), on reruns, with a small ring and comm CTAs.
+TEST(MegakernelSchedule, AScheduleCallThenTheForwardOnItGiveTheSameBits) {
+  if (device_count() < 1) GTEST_SKIP() << "no GPU";
+  for (const int R : {1, 2}) {
+    for (const bool own_gpus : {false, true}) {
+      if (own_gpus && (R == 1 || device_count() < R)) continue;
+      const MoeDesc d = desc(R, 300, 512, 256, 16, 4);
+      const auto in = make_inputs<float>(d, RoutingKind::zipf, 77, true);
+      const auto dy = make_output_grad<float>(d, 78, true);
+      RunConfig base;
+      base.own_gpus = own_gpus;
+      base.backward = true;
+      base.dy = &dy;
+      const Outputs want = run_forward(in, base, 1);
+      const std::string label = "R=" + std::to_string(R) + (own_gpus ? " on own GPUs" : "");
+      for (const bool small_ring : {false, true}) {
+        RunConfig cfg = base;
+        cfg.schedule_first = true;
+        if (small_ring) {  // one 256-row minibatch in the ring, comm CTAs, the backward replays the rows
+          cfg.minibatch_rows = 256;
+          cfg.ring_slots = 1;
+          cfg.comm_ctas = 2;
+          cfg.replay = true;
+        }
+        const Outputs got = run_forward(in, cfg, 2);  // a rerun over the same buffers
+        for (int r = 0; r < R; ++r) {
+          ASSERT_EQ(got.errors[r], "") << label << " rank " << r;
+          EXPECT_EQ(first_bit_difference(got.y[r], want.y[r]), -1) << label << ": y rank " << r;
+        }
+        expect_same_gradients(want, got, R, label + (small_ring ? ", small ring" : "") + ", the schedule given");
+      }
+    }
+  }
+}
 
 TEST(MegakernelPeers, TwoGpusMatchOneGpuBitwise) {
   if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";

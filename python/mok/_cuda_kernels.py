@@ -76,14 +76,19 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_forward_destroy.restype = None
     lib.mok_cuda_forward_destroy.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_run.restype = ctypes.c_int
-    # handle, bases, then 5 tensors and an event, 6 context buffers and the stream, then the error buffer.
-    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 13 + [
-        ctypes.c_char_p, ctypes.c_int]
-    lib.mok_cuda_forward_run_fp8.restype = ctypes.c_int
-    # handle, bases, then 6 weight tensors, y_shared, its event, y, 6 context buffers and the stream,
+    # handle, bases, then 5 tensors and an event, 6 context buffers, schedule_given and the stream,
     # then the error buffer.
+    lib.mok_cuda_forward_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 12 + [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_forward_run_fp8.restype = ctypes.c_int
+    # handle, bases, then 6 weight tensors, y_shared, its event, y, 6 context buffers, schedule_given
+    # and the stream, then the error buffer.
     lib.mok_cuda_forward_run_fp8.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [
-        ctypes.c_void_p] * 16 + [ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_void_p] * 15 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mok_cuda_schedule_run.restype = ctypes.c_int
+    # handle, bases, offsets, rows, src_rank, src_slot, the stream, then the error buffer.
+    lib.mok_cuda_schedule_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 5 + [
+        ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
     lib.mok_cuda_forward_check.restype = ctypes.c_int
@@ -560,6 +565,9 @@ class FusedForward:
         self.context_rows = int(_lib().mok_cuda_forward_context_rows(handle))
 
     def _check_bases(self, bases: list[int], device: torch.device) -> None:
+        if not self._handle:  # a null handle would reach the C API as a null pointer
+            raise RuntimeError("mok: this workspace was released (mok.clear_workspace_cache): get a new one with "
+                               "mok.get_workspace")
         if len(bases) != self.ranks:
             raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
         if device != self.device:
@@ -582,11 +590,12 @@ class FusedForward:
 
     def run(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
             *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None,
-            context: Context | None = None) -> None:
+            context: Context | None = None, schedule_given: bool = False) -> None:
         """Asynchronous on the current stream. bases: every rank's symmetric buffer address.
         y_shared_ready: an event recorded after y_shared on another stream; only the combine at the
         end of the call waits for it. context (keep_rows only): where this call keeps what its
-        backward needs."""
+        backward needs. schedule_given: the context's schedule holds this call's schedule already
+        (:meth:`schedule` built it from the topk_idx every rank has written again); not rebuilt."""
         T, H, I = self.tokens, self.hidden, self.intermediate
         El = self.local_experts
         bf16 = torch.bfloat16
@@ -600,13 +609,14 @@ class FusedForward:
         error = ctypes.create_string_buffer(512)
         ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run(self._handle, table, _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(y_shared),
-                                         _event(y_shared_ready), _ptr(y), *ctx, torch.cuda.current_stream().cuda_stream, error, len(error))
+                                         _event(y_shared_ready), _ptr(y), *ctx, int(schedule_given),
+                                         torch.cuda.current_stream().cuda_stream, error, len(error))
         _raise(rc, error)
 
     def run_fp8(self, bases: list[int], w_gate: tuple[torch.Tensor, torch.Tensor],
                 w_up: tuple[torch.Tensor, torch.Tensor], w_down: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor,
                 *, y_shared: torch.Tensor | None = None, y_shared_ready: torch.cuda.Event | None = None,
-                context: Context | None = None) -> None:
+                context: Context | None = None, schedule_given: bool = False) -> None:
         """The block-scaled fp8 forward (a FusedForward made with ``fp8``): each weight as
         :func:`quantize_weights` gives it, (codes float8_e4m3fn, 128 x 128 block scales); the call
         quantizes this rank's x (in its symmetric buffer) itself. Otherwise as :meth:`run`; its
@@ -625,8 +635,24 @@ class FusedForward:
         ctx = context.pointers() if context is not None else [None] * 6
         rc = _lib().mok_cuda_forward_run_fp8(
             self._handle, table, _ptr(w_gate[0]), _ptr(w_gate[1]), _ptr(w_up[0]), _ptr(w_up[1]), _ptr(w_down[0]),
-            _ptr(w_down[1]), _ptr(y_shared), _event(y_shared_ready), _ptr(y), *ctx,
+            _ptr(w_down[1]), _ptr(y_shared), _event(y_shared_ready), _ptr(y), *ctx, int(schedule_given),
             torch.cuda.current_stream().cuda_stream, error, len(error))
+        _raise(rc, error)
+
+    def schedule(self, bases: list[int], offsets: torch.Tensor, rows: torch.Tensor, src_rank: torch.Tensor,
+                 src_slot: torch.Tensor) -> None:
+        """This rank's schedule alone (keep_rows), one call of the sequence every rank makes: every
+        rank has written its topk_idx into its symmetric buffer. offsets [El+1], rows [El] (each
+        expert's real rows), src_rank and src_slot [row capacity], int32: a context's schedule that
+        a :meth:`run` with ``schedule_given`` runs on. Asynchronous."""
+        El, cap, i32 = self.local_experts, self.row_capacity, torch.int32
+        self._check_bases(bases, offsets.device)
+        _check_tensors((("offsets", offsets, (El + 1,), i32), ("rows", rows, (El,), i32),
+                        ("src_rank", src_rank, (cap,), i32), ("src_slot", src_slot, (cap,), i32)), device=offsets.device)
+        table = (ctypes.c_int64 * self.ranks)(*bases)
+        error = ctypes.create_string_buffer(512)
+        rc = _lib().mok_cuda_schedule_run(self._handle, table, _ptr(offsets), _ptr(rows), _ptr(src_rank),
+                                          _ptr(src_slot), torch.cuda.current_stream().cuda_stream, error, len(error))
         _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
@@ -701,6 +727,8 @@ class FusedForward:
 
     def check(self) -> None:
         """Raises RuntimeError naming the rank and the wait (or the bad expert id) if a call failed."""
+        if not self._handle:
+            return  # released (mok.clear_workspace_cache): its status went with it
         message = ctypes.create_string_buffer(1024)
         if _lib().mok_cuda_forward_check(self._handle, message, len(message)) != 0:
             raise RuntimeError(f"mok fused forward: {message.value.decode()}")

@@ -204,11 +204,12 @@ def _bf16(w: Tensor) -> Tensor:
 
 def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, y_shared: Tensor | None, context: kernels.Context | None,
-                 fp8_codes: tuple[Any, Any, Any] | None = None) -> Tensor:
+                 fp8_codes: tuple[Any, Any, Any] | None = None, schedule_given: bool = False) -> Tensor:
     """One fused forward: the inputs into this rank's symmetric buffer, then the megakernel (at fp8
     the call quantizes x; the weights' codes are ``fp8_codes``, from _fp8_operands). With a context it also
     keeps what its backward needs (the rows, h and g|u; at fp8 h and g|u; the g|u save costs
-    time); without one it keeps nothing."""
+    time); without one it keeps nothing. schedule_given: the context's schedule is this
+    topk_idx's (FusedForward.schedule built it), and the call does not build it again."""
     ws.x.copy_(x)
     ws.topk_idx.copy_(topk_idx)
     ws.topk_w.copy_(topk_w)
@@ -216,9 +217,10 @@ def _run_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_
     y_shared = None if y_shared is None else y_shared.contiguous()
     if ws.fused.fp8:
         assert fp8_codes is not None
-        ws.fused.run_fp8(ws.bases, *fp8_codes, y, y_shared=y_shared, context=context)
+        ws.fused.run_fp8(ws.bases, *fp8_codes, y, y_shared=y_shared, context=context, schedule_given=schedule_given)
     else:
-        ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y, y_shared=y_shared, context=context)
+        ws.fused.run(ws.bases, _bf16(w_gate), _bf16(w_up), _bf16(w_down), y, y_shared=y_shared, context=context,
+                     schedule_given=schedule_given)
     return y
 
 
@@ -236,14 +238,18 @@ def _layer_fp8_operands(ws: _Workspace, w_gate: Tensor, w_up: Tensor, w_down: Te
 
 def _training_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w_gate: Tensor, w_up: Tensor,
                       w_down: Tensor, s_gate: Tensor | None, s_up: Tensor | None, s_down: Tensor | None,
-                      swiglu_limit: float | None, save_context: bool
+                      swiglu_limit: float | None, save_context: bool, context: kernels.Context | None = None
                       ) -> tuple[Tensor, kernels.Context, tuple[Tensor | None, ...], Any, Any]:
-    """A training forward (what _FusedMoe and the traceable op run): (y, the context its backward
-    reads, the shared expert's kept (x rows, g|u, h) or Nones, the routed and the shared experts'
-    e4m3 operands at fp8 or (None, None)). save_context=False keeps x and the schedule only; the
-    backward replays the rows (less memory between the passes, a faster forward, the same bits; at
-    fp8 the replay quantizes the pulled rows and reruns the fp8 gate|up)."""
-    context = ws.fused.new_context(x.device, replay=not save_context)
+    """A training forward (what _FusedMoe, the traceable op and the explicit forward run): (y, the
+    context its backward reads, the shared expert's kept (x rows, g|u, h) or Nones, the routed and
+    the shared experts' e4m3 operands at fp8 or (None, None)). save_context=False keeps x and the
+    schedule only; the backward replays the rows (less memory between the passes, a faster
+    forward, the same bits; at fp8 the replay quantizes the pulled rows and reruns the fp8
+    gate|up). ``context``: a kept context whose schedule holds this topk_idx's (the explicit
+    passes' build_schedule), which the call runs on instead of building one."""
+    schedule_given = context is not None
+    if context is None:
+        context = ws.fused.new_context(x.device, replay=not save_context)
     shared = s_gate is not None and s_up is not None and s_down is not None
     operands, shared_operands = _layer_fp8_operands(ws, w_gate, w_up, w_down, s_gate, s_up, s_down)
     y_shared = None
@@ -252,7 +258,7 @@ def _training_forward(ws: _Workspace, x: Tensor, topk_idx: Tensor, topk_w: Tenso
         rows, y_shared = _shared_expert_forward(x, s_gate, s_up, s_down, swiglu_limit, fp8_codes=shared_operands[0])
         assert rows is not None
         kept = rows
-    y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context, operands[0])
+    y = _run_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, y_shared, context, operands[0], schedule_given)
     return y, context, kept, operands, shared_operands
 
 

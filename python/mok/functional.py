@@ -120,6 +120,13 @@ class Schedule(NamedTuple):
     As destination: the M rows this rank's experts compute, grouped by local expert in canonical
     order (global token ``src_rank*T + t``, then j). As source: the order in which this rank's
     ``T*k`` (token, j) slots leave, grouped by destination rank.
+
+    On a GPU workspace the schedule is built on the device, sized for any routing (the host does
+    not learn M): ``expert_offsets`` int32 with each expert's rows starting at a multiple of 128
+    (padding rows after its real ones), ``row_src_rank`` / ``row_src_slot`` [row capacity] with
+    -1 for padding, ``expert_rows`` each expert's real rows, ``topk_idx`` the routing (int32);
+    ``recv_order`` and ``send_order`` are empty (the GPU pulls rows and pushes results: nothing is
+    sent in an order). See mok/_cuda_explicit.py.
     """
 
     expert_offsets: Tensor  # [El+1] int64: local expert e computes rows [offsets[e], offsets[e+1])
@@ -129,16 +136,26 @@ class Schedule(NamedTuple):
     recv_counts: Tensor  # [R] int64: rows received from each rank
     send_order: Tensor  # [T*k] int64: this rank's slots in the order they are sent, empty slots (id -1) last
     send_counts: Tensor  # [R] int64: rows sent to each rank (their sum: the routed slots)
+    expert_rows: Tensor | None = None  # GPU: [El] int32, the real rows of each local expert (None on the CPU)
+    topk_idx: Tensor | None = None  # GPU: [T,k] int32, the routing the passes write again (None on the CPU)
 
     @property
     def num_rows(self) -> int:
-        """M, the rows this rank's experts compute."""
+        """M, the rows this rank's experts compute (on a GPU workspace this synchronizes)."""
+        if self.expert_rows is not None:
+            return int(self.expert_rows.sum())
         return self.row_src_rank.shape[0]
 
     @property
     def tokens_per_expert(self) -> Tensor:
         """[El] int64: rows per local expert."""
+        if self.expert_rows is not None:
+            return self.expert_rows.long()
         return self.expert_offsets[1:] - self.expert_offsets[:-1]
+
+
+# The fields the CPU backend's ops take (the GPU's two more are its own).
+_CPU_SCHEDULE_FIELDS = 7
 
 
 class ForwardContext(NamedTuple):
@@ -181,8 +198,8 @@ class Workspace:
     group_name: str
     rank: int
     device: torch.device
-    buffers: dict[str, Tensor] = field(default_factory=dict)
-    symmetric_handle: Any = None  # torch symmetric memory handle (peer pointers), GPUs with R > 1
+    buffers: dict[str, Tensor] = field(default_factory=dict)  # a GPU workspace's symmetric buffer
+    gpu: Any = None  # on a GPU: the C API handle and the symmetric buffer (mok._cuda_layer._Workspace)
 
     @property
     def ranks(self) -> int:
@@ -205,6 +222,12 @@ class Workspace:
     def explanation(self) -> str:
         """The planner's reasons, in plain text."""
         return str(self.plan["explanation"])
+
+    def check(self) -> None:
+        """Raises RuntimeError naming the rank and the wait (or the bad expert id, the NaN) if a GPU
+        call of this workspace failed; synchronizes. The CPU backend raises in the call itself."""
+        if self.gpu is not None:
+            self.gpu.fused.check()
 
     def __repr__(self) -> str:
         return (f"Workspace({self.desc}, rank {self.rank} of {self.ranks}, {self.device}, "
@@ -284,6 +307,8 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     config = MoeConfig() if config is None else config
     ep = _dist.resolve(_dist.group_name_of(group))
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     sizes = dict(num_local_tokens=num_local_tokens, hidden=hidden, intermediate=intermediate,
                  num_experts=num_experts, topk=topk, shared_intermediate=shared_intermediate)
     descs: list[Any] = []
@@ -293,6 +318,9 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
         if config.domain_size not in (None, ep.size):
             raise ValueError(f"MoeConfig.domain_size={config.domain_size}: the explicit passes run one NVLink domain; "
                              "the layer over several domains is mok.moe / mok.MoE")
+        if _precision(config) != "bf16" and device.type != "cuda":
+            raise ValueError(f"MoeConfig.precision={config.precision!r} runs on the GPU only; the CPU "
+                             f"reference of the fp8 layer is `mok run --precision {config.precision}` (C++)")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -312,29 +340,14 @@ def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, 
     desc = descs[0]
 
     plan = _plan(desc, device, config)
-    buffers: dict[str, Tensor] = {}
-    handle = None
-    if device.type == "cuda":
-        buffers, handle = _cuda_buffers(plan["workspace_bytes"], ep, device)
-    return Workspace(desc, config, plan, ep.name, ep.rank, device, buffers, handle)
+    if device.type != "cuda":
+        return Workspace(desc, config, plan, ep.name, ep.rank, device)
+    from . import _cuda_explicit
 
-
-def _cuda_buffers(sizes: dict[str, int], ep: _dist.EpGroup, device: torch.device) -> tuple[dict[str, Tensor], Any]:
-    """The GPU workspace, sized by the planner: symmetric memory when peers must address it."""
-    handle = None
-    if ep.size > 1:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symmetric = symm_mem.empty(sizes["symmetric"], dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(symmetric, ep.name)
-    else:
-        symmetric = torch.empty(sizes["symmetric"], dtype=torch.uint8, device=device)
-    buffers = {
-        "symmetric": symmetric,
-        "schedule": torch.empty(sizes["schedule"], dtype=torch.uint8, device=device),
-        "ring": torch.empty(sizes["ring"], dtype=torch.uint8, device=device),
-    }
-    return buffers, handle
+    overrides = _overrides(plan) if _overrides_planner(config) else None
+    gpu = _cuda_explicit.make(ep, desc, device, overrides, _precision(config))
+    buffers = {} if gpu is None else {"symmetric": gpu.buffer}
+    return Workspace(desc, config, plan, ep.name, ep.rank, device, buffers, gpu)
 
 
 def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, device: torch.device | str,
@@ -408,9 +421,10 @@ def _check_against_workspace(ws: Workspace, shape: _checks.LayerShape) -> None:
 
 
 def _schedule_list(schedule: object) -> list[Tensor]:
+    """The CPU ops' schedule tensors."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a mok.Schedule (from mok.build_schedule), got {type(schedule).__name__}")
-    return list(schedule)
+    return list(schedule)[:_CPU_SCHEDULE_FIELDS]
 
 
 def _checked(group_name: str, step: str, check: Callable[[], _R]) -> _R:
@@ -431,6 +445,10 @@ def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
     ws = _check_workspace(workspace)
     _checked(ws.group_name, "build_schedule", lambda: _checks.check_tensor(
         topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device))
+    if ws.device.type == "cuda":
+        from . import _cuda_explicit
+
+        return Schedule(*_cuda_explicit.build_schedule(ws, ws.gpu, topk_idx))
     return Schedule(*torch.ops.mok.build_schedule(topk_idx.contiguous(), ws.num_experts, ws.group_name))
 
 
@@ -439,7 +457,17 @@ def _check_pass(ws: Workspace, schedule: object, x: object, topk_w: object, weig
     s_gate, s_up, s_down = _unpack_shared(shared)
     shape = _checks.check_layer(x, topk_w, *weights, s_gate, s_up, s_down, ws.desc.swiglu_limit, topk=topk)
     _check_against_workspace(ws, shape)
+    assert isinstance(x, Tensor)
+    if x.device != ws.device:
+        raise ValueError(f"the inputs are on {x.device}, the workspace on {ws.device}: get a workspace for "
+                         f"{x.device} with mok.get_workspace")
     _schedule_list(schedule)
+    if ws.device.type == "cuda":
+        from . import _cuda_explicit
+
+        _cuda_explicit.check_schedule(ws, ws.gpu, schedule)
+    elif isinstance(schedule, Schedule) and schedule.topk_idx is not None:
+        raise ValueError("schedule was built on a GPU workspace; this workspace is on the CPU")
     return s_gate, s_up, s_down
 
 
@@ -449,22 +477,38 @@ def forward(workspace: Workspace, schedule: Schedule, x: Tensor, topk_w: Tensor,
     ws = _check_workspace(workspace)
     s_gate, s_up, s_down = _checked(ws.group_name, "forward", lambda: _check_pass(
         ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared))
+    if ws.device.type == "cuda":
+        from . import _cuda_explicit
+
+        with torch.no_grad():
+            y, context = _cuda_explicit.forward(ws, ws.gpu, schedule, x, topk_w, w_gate, w_up, w_down, s_gate, s_up,
+                                                s_down)
+        return y, ForwardContext(*context)
     with torch.no_grad():
         y, *context = torch.ops.mok.forward(x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down, s_gate, s_up,
-                                            s_down, list(schedule), ws.desc.swiglu_limit, ws.group_name, True)
+                                            s_down, _schedule_list(schedule), ws.desc.swiglu_limit, ws.group_name, True)
     return y, ForwardContext(*context)
 
 
 def recompute_forward_context(workspace: Workspace, schedule: Schedule, x: Tensor, w_gate: Tensor, w_up: Tensor,
                               w_down: Tensor, shared: SharedWeights | None = None) -> ForwardContext:
     """The context :func:`forward` returned, recomputed bitwise (for activation checkpointing); collective.
-    ``w_down`` is needed because the C++ stage computes the down projection along (it is dropped)."""
+    ``w_down`` is needed because the C++ stage computes the down projection along (it is dropped);
+    on a GPU workspace this is a whole forward (its y dropped)."""
     ws = _check_workspace(workspace)
     s_gate, s_up, s_down = _checked(ws.group_name, "recompute_forward_context", lambda: _check_pass(
         ws, schedule, x, None, (w_gate, w_up, w_down), shared, topk=ws.desc.topk))
+    if ws.device.type == "cuda":
+        from . import _cuda_explicit
+
+        ones = torch.ones(x.shape[0], ws.desc.topk, dtype=torch.float32, device=x.device)  # any finite weights
+        with torch.no_grad():
+            _, context = _cuda_explicit.forward(ws, ws.gpu, schedule, x, ones, w_gate, w_up, w_down, s_gate, s_up,
+                                                s_down)
+        return ForwardContext(*context)
     with torch.no_grad():
         context = torch.ops.mok.recompute_forward_context(x.contiguous(), w_gate, w_up, w_down, s_gate, s_up, s_down,
-                                                          list(schedule), ws.desc.topk, ws.desc.swiglu_limit,
+                                                          _schedule_list(schedule), ws.desc.topk, ws.desc.swiglu_limit,
                                                           ws.group_name)
     return ForwardContext(*context)
 
@@ -478,14 +522,26 @@ def backward(workspace: Workspace, schedule: Schedule, context: ForwardContext, 
     def check() -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         if not isinstance(context, ForwardContext):
             raise TypeError(f"context must be a mok.ForwardContext (from mok.forward), got {type(context).__name__}")
-        _checks.check_tensor(dy, "dy", (torch.bfloat16,), (("T", ws.desc.tokens_per_rank), ("H", ws.desc.hidden)))
-        return _check_pass(ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared)
+        _checks.check_tensor(dy, "dy", (torch.bfloat16,), (("T", ws.desc.tokens_per_rank), ("H", ws.desc.hidden)),
+                             ws.device)
+        checked = _check_pass(ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared)
+        if ws.device.type == "cuda":
+            from . import _cuda_explicit
+
+            _cuda_explicit.check_context(ws, ws.gpu, context)
+        return checked
 
     s_gate, s_up, s_down = _checked(ws.group_name, "backward", check)
+    if ws.device.type == "cuda":
+        from . import _cuda_explicit
+
+        with torch.no_grad():
+            return Gradients(*_cuda_explicit.backward(ws, ws.gpu, schedule, context, dy, x, topk_w, w_gate, w_up,
+                                                      w_down, s_gate, s_up, s_down))
     with torch.no_grad():
         grads = torch.ops.mok.backward(dy.contiguous(), x.contiguous(), topk_w.contiguous(), w_gate, w_up, w_down,
-                                       s_gate, s_up, s_down, list(schedule), list(context), ws.desc.swiglu_limit,
-                                       ws.group_name)
+                                       s_gate, s_up, s_down, _schedule_list(schedule), list(context),
+                                       ws.desc.swiglu_limit, ws.group_name)
     d_x, d_topk_w, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down = grads
     if s_gate is None:
         d_s_gate = d_s_up = d_s_down = None
@@ -692,7 +748,7 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
                              + ", ".join(f"{name} {n}" for name, n in bad.items()) + " is not a multiple of 128")
     if not resolve:
         return None
-    if all(getattr(config, name) is None for name in _CONFIG_FIELDS if name not in ("precision", "domain_size")):
+    if not _overrides_planner(config):
         return None  # the planner's defaults: the same workspace as no config
     # T = 0 runs nothing, but its config is checked as for one token.
     desc = _C.MoeDesc(tokens_per_rank=max(shape.tokens, 1), hidden=shape.hidden, intermediate=shape.intermediate,
@@ -704,6 +760,16 @@ def _plan_overrides(config: MoeConfig | None, shape: _checks.LayerShape, ranks: 
         raise ValueError(f"mok.moe: config {config}: {error}") from None
     if shape.tokens == 0:
         return None
+    return _overrides(plan)
+
+
+def _overrides_planner(config: MoeConfig) -> bool:
+    """Whether a config sets any of the planner's fields (else the GPU layer's workspace is the default one)."""
+    return any(getattr(config, name) is not None for name in _CONFIG_FIELDS if name not in ("precision", "domain_size"))
+
+
+def _overrides(plan: dict[str, Any]) -> dict[str, int]:
+    """The GPU handle's planner fields, as the planner resolved them under ``config``."""
     return {"comm_sms": int(plan["comm_sms"]), "minibatch_rows": int(plan["minibatch_rows"]),
             "ring_rows": int(plan["ring_rows"]), "fused_backward": int(plan["fused_backward"])}
 

@@ -194,8 +194,10 @@ def _cuda_refused(name: str, check: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(*args: Any) -> Any:
         check(*args)  # a CPU tensor among CUDA ones is still a ValueError
         raise NotImplementedError(
-            f"mok: torch.ops.mok.{name} (a stage of the explicit passes) runs on CPU tensors only; on the GPU the "
-            "layer is mok.moe / mok.MoE (the megakernel, its backward through autograd, traceable by torch.compile)")
+            f"mok: torch.ops.mok.{name} (a stage of the CPU backend's explicit passes) runs on CPU tensors only; "
+            "on the GPU the explicit passes are mok.build_schedule / mok.forward / mok.backward on a GPU workspace "
+            "(mok.get_workspace(device='cuda')), and the layer is mok.moe / mok.MoE (the megakernel, its backward "
+            "through autograd, traceable by torch.compile)")
 
     return kernel
 

@@ -156,6 +156,7 @@ def test_torch_compile_holds_the_gpu_layer_in_its_graph(precision: str | None, s
     them) traces them as torch.ops.mok.gpu_moe, no graph break: the compiled y and every gradient
     are the eager call's bits, training and no_grad, and a second compiled step repeats them. The
     planner's overrides reach the op (resolved when it runs)."""
+    torch._dynamo.reset()  # `layers` is one code object for every case: its entries would pass the recompile limit
     config = mok.MoeConfig(precision=precision, **planner)  # type: ignore[arg-type]
     p = testing.random_problem(200, 8, 256, 128, 2, shared_intermediate=128, swiglu_limit=limit, routing=routing,
                                seed=21, device="cuda")
@@ -295,3 +296,115 @@ def test_a_cuda_graph_of_forward_and_backward_replays_the_eager_bits() -> None:
         _cuda_layer.check()
         for name, got, want in zip(names, captured, eager):
             assert want is not None and torch.equal(got, want), f"seed {seed}: {name} of the replay differs from eager"
+
+
+def _poison_free_memory(nbytes: int = 1 << 30) -> None:
+    """Fills a block of torch's caching allocator with NaN bytes and frees it: the tensors a call
+    allocates next come from it, so an element a kernel never writes shows as NaN."""
+    block = torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del block
+
+
+@pytest.mark.parametrize("precision,shared_intermediate,limit,routing", [
+    (None, 128, 0.75, "zipf"), (None, 0, None, "masked"), ("fp8", 128, None, "uniform"),
+    ("fp8_dgrad", 128, 7.0, "masked")])
+def test_explicit_passes_give_the_layers_bits(precision: str | None, shared_intermediate: int, limit: float | None,
+                                              routing: str) -> None:
+    """mok.build_schedule -> mok.forward -> mok.recompute_forward_context -> mok.backward on a GPU
+    workspace: y and every gradient are mok.moe's bits (autograd, same handle kernels), twice over
+    freshly poisoned memory; the schedule is the CPU backend's rows in the GPU's padded layout, its
+    counts the routing's; the recomputed context equals the forward's on every real row."""
+    T, E, H, I, k = 300, 16, 512, 256, 4
+    config = mok.MoeConfig(precision=precision)
+    p = testing.random_problem(T, E, H, I, k, shared_intermediate=shared_intermediate, swiglu_limit=limit,
+                               routing=routing, seed=5, device="cuda")
+    dy = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(torch.bfloat16)
+    expected = _run(p, dy, config=config)
+    ws = mok.get_workspace(config, None, device="cuda", num_local_tokens=T, hidden=H, intermediate=I, num_experts=E,
+                           topk=k, shared_intermediate=shared_intermediate, swiglu_limit=limit)
+    weights = (p.w_gate, p.w_up, p.w_down)
+    names = ["y", "d_x", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"] + (
+        ["d_s_gate", "d_s_up", "d_s_down"] if p.shared else [])
+    for attempt in range(2):
+        _poison_free_memory()
+        s = mok.build_schedule(ws, p.topk_idx)
+        y, ctx = mok.forward(ws, s, p.x, p.topk_w, *weights, p.shared)
+        rebuilt = mok.recompute_forward_context(ws, s, p.x, *weights, p.shared)
+        g = mok.backward(ws, s, ctx, dy, p.x, p.topk_w, *weights, p.shared)
+        ws.check()
+        got = [y, *g]
+        for name, a, b in zip(names, got, expected):
+            assert a is not None and torch.equal(a, b), f"attempt {attempt}: {name} differs from mok.moe's"
+        if not p.shared:
+            assert g.d_s_gate is None and g.d_s_up is None and g.d_s_down is None
+    # The schedule: the CPU backend's rows, each expert's at a multiple of 128 on the GPU.
+    cpu_ws = mok.get_workspace(None, None, device="cpu", num_local_tokens=T, hidden=H, intermediate=I, num_experts=E,
+                               topk=k)
+    cpu = mok.build_schedule(cpu_ws, p.topk_idx.cpu())
+    offsets = s.expert_offsets.cpu().long()
+    assert torch.equal(s.tokens_per_expert.cpu(), cpu.tokens_per_expert)
+    assert s.num_rows == cpu.num_rows and int(s.send_counts.sum()) == cpu.num_rows
+    assert torch.equal(s.recv_counts.cpu(), cpu.recv_counts) and torch.equal(s.send_counts.cpu(), cpu.send_counts)
+    assert bool((offsets % 128 == 0).all()) and s.recv_order.numel() == 0 and s.send_order.numel() == 0
+    assert torch.equal(s.topk_idx.cpu(), p.topk_idx.cpu().int())
+    real = torch.cat([torch.arange(int(offsets[e]), int(offsets[e]) + int(cpu.tokens_per_expert[e]))
+                      for e in range(E)])
+    assert torch.equal(s.row_src_slot.cpu()[real], cpu.row_src_slot)
+    assert torch.equal(s.row_src_rank.cpu()[real], cpu.row_src_rank)
+    padding = torch.ones(s.row_src_slot.shape[0], dtype=torch.bool)
+    padding[real] = False
+    assert bool((s.row_src_slot.cpu()[padding] == -1).all())
+    # The recomputed context: the forward's on every real row (padding rows are unspecified).
+    for name in ("x_rows", "gate_up", "hidden"):
+        a, b = getattr(ctx, name), getattr(rebuilt, name)
+        if a.shape[0]:
+            assert torch.equal(a[real.cuda()], b[real.cuda()]), f"recomputed context {name} differs"
+    for name in ("shared_gate_up", "shared_hidden"):
+        assert torch.equal(getattr(ctx, name), getattr(rebuilt, name)), f"recomputed context {name} differs"
+    assert ctx.x_rows.shape[0] == (0 if precision else ctx.hidden.shape[0])
+
+
+def test_explicit_passes_refuse_what_does_not_fit_the_gpu_workspace() -> None:
+    """A CPU schedule, a context of another shape, CPU tensors and a bad expert id on a GPU
+    workspace: each a clear error, before anything runs or (the id, found on the device) from the
+    workspace's check and its next call."""
+    T, E, H, I, k = 64, 4, 256, 128, 2
+    p = testing.random_problem(T, E, H, I, k, seed=8, device="cuda")
+    kwargs = dict(num_local_tokens=T, hidden=H, intermediate=I, num_experts=E, topk=k)
+    ws = mok.create_workspace(None, None, device="cuda", **kwargs)
+    weights = (p.w_gate, p.w_up, p.w_down)
+    cpu_schedule = mok.build_schedule(mok.get_workspace(None, None, device="cpu", **kwargs), p.topk_idx.cpu())
+    with pytest.raises(ValueError, match="schedule was built for CPU tensors"):
+        mok.forward(ws, cpu_schedule, p.x, p.topk_w, *weights)
+    with pytest.raises(ValueError, match="the inputs are on cpu, the workspace on cuda:0"):
+        mok.forward(ws, cpu_schedule, p.x.cpu(), p.topk_w.cpu(), *(w.cpu() for w in weights))
+    s = mok.build_schedule(ws, p.topk_idx)
+    y, ctx = mok.forward(ws, s, p.x, p.topk_w, *weights)
+    with pytest.raises(ValueError, match=re.escape("context.gate_up is (")):
+        mok.backward(ws, s, ctx._replace(gate_up=ctx.gate_up[:-1]), y, p.x, p.topk_w, *weights)
+    with pytest.raises(ValueError, match="schedule.row_src_rank is"):
+        mok.forward(ws, s._replace(row_src_rank=s.row_src_rank[:-1]), p.x, p.topk_w, *weights)
+    ws.check()
+    bad = p.topk_idx.clone()
+    bad[7, 1] = E + 3
+    mok.build_schedule(ws, bad)
+    with pytest.raises(RuntimeError, match=re.escape(f"topk_idx[rank 0][token 7][1] = {E + 3} is out of range")):
+        ws.check()
+    with pytest.raises(RuntimeError, match="an earlier call failed"):
+        mok.build_schedule(ws, p.topk_idx)
+
+
+def test_explicit_passes_without_tokens() -> None:
+    """T = 0 on a GPU workspace: nothing is called; an empty y and zero gradients."""
+    H, I, E, k = 256, 128, 4, 2
+    p = testing.random_problem(8, E, H, I, k, shared_intermediate=128, seed=9, device="cuda")
+    ws = mok.create_workspace(None, None, device="cuda", num_local_tokens=0, hidden=H, intermediate=I, num_experts=E,
+                              topk=k, shared_intermediate=128)
+    x, idx, w = p.x[:0], p.topk_idx[:0], p.topk_w[:0]
+    s = mok.build_schedule(ws, idx)
+    assert s.num_rows == 0 and s.tokens_per_expert.tolist() == [0] * E
+    y, ctx = mok.forward(ws, s, x, w, p.w_gate, p.w_up, p.w_down, p.shared)
+    g = mok.backward(ws, s, ctx, y, x, w, p.w_gate, p.w_up, p.w_down, p.shared)
+    assert y.shape == (0, H) and g.d_x.shape == (0, H)
+    for name in ("d_w_gate", "d_w_up", "d_w_down", "d_s_gate", "d_s_up", "d_s_down"):
+        assert not bool(getattr(g, name).any()), name

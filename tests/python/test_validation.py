@@ -145,9 +145,14 @@ def test_functional_api_rejects() -> None:
     with pytest.raises(ValueError, match=re.escape("context.x_rows must have shape")):
         bad = ctx._replace(x_rows=ctx.x_rows[:-1])
         mok.backward(ws, schedule, bad, y, a["x"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], a["shared"])
+    with pytest.raises(ValueError, match="the inputs are on meta, the workspace on cpu"):
+        mok.forward(ws, schedule, *(t.to("meta") for t in (a["x"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"])),
+                    tuple(t.to("meta") for t in a["shared"]))
+    with pytest.raises(ValueError, match="precision='fp8' runs on the GPU only"):
+        mok.get_workspace(mok.MoeConfig(precision="fp8"), None, **kwargs)
     with pytest.raises(ValueError, match="the schedule is for 4 local experts, the weights have El=2"):
         torch.ops.mok.forward(a["x"], a["topk_w"], a["w_gate"][:2], a["w_up"][:2], a["w_down"][:2], None, None, None,
-                              list(schedule), None, "", True)
+                              list(schedule)[:7], None, "", True)
 
 
 def test_cuda_stage_checks_then_names_the_gpu_path() -> None:
@@ -157,8 +162,9 @@ def test_cuda_stage_checks_then_names_the_gpu_path() -> None:
     schedule = list(torch.ops.mok.build_schedule(a["topk_idx"], E, ""))
     forward_args = (a["x"], a["topk_w"], a["w_gate"], a["w_up"], a["w_down"], *a["shared"], schedule, None, "", True)
     cuda_forward = mok.ops._cuda_refused("forward", mok.ops.OPS["forward"][2])
-    with pytest.raises(NotImplementedError, match=re.escape("torch.ops.mok.forward (a stage of the explicit passes) "
-                                                            "runs on CPU tensors only; on the GPU the layer is mok.moe")):
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "torch.ops.mok.forward (a stage of the CPU backend's explicit passes) runs on CPU tensors only; on the GPU "
+            "the explicit passes are mok.build_schedule / mok.forward / mok.backward on a GPU workspace")):
         cuda_forward(*forward_args)
     with pytest.raises(ValueError, match="w_up is on meta but x is on cpu"):
         cuda_forward(a["x"], a["topk_w"], a["w_gate"], a["w_up"].to("meta"), *forward_args[4:])

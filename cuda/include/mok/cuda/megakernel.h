@@ -46,7 +46,7 @@ struct MoeForwardArgs {
   const void* w_gate = nullptr;  // [El, I, H] bf16
   const void* w_up = nullptr;    // [El, I, H] bf16
   const void* w_down = nullptr;  // [El, H, I] bf16
-  // This rank's schedule (routing.h: ScheduleArgs), rebuilt by every call.
+  // This rank's schedule (routing.h: ScheduleArgs), rebuilt by every call unless schedule_given.
   int32_t* expert_offsets = nullptr;  // [El+1]
   int32_t* expert_rows = nullptr;     // [El]
   int32_t* src_rank = nullptr;        // [row_capacity]
@@ -59,6 +59,9 @@ struct MoeForwardArgs {
   // link_token_rows) and the comm CTAs copy a row from its token's first row on this rank instead
   // of reading it from its rank again. (The comm warps read every row: megakernel_forward.cuh.)
   uint32_t* token_links = nullptr;
+  // The schedule arrays hold this call's schedule already (moe_schedule built them from the
+  // topk_idx every rank has written again for this call): step 2 builds only the token links.
+  bool schedule_given = false;
   // The ring: S = ring_rows / minibatch_rows slots of one minibatch each.
   int64_t minibatch_rows = 0;  // a multiple of 128
   int64_t ring_rows = 0;       // a multiple of minibatch_rows
@@ -277,6 +280,16 @@ void preload_kernels();
 // Why moe_forward cannot run these arguments, or "" when it can.
 std::string can_implement(const MoeForwardArgs& args);
 void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
+
+// This rank's schedule alone (the explicit passes' build_schedule), into args' expert_offsets,
+// expert_rows, src_rank and src_slot: a start barrier (every rank's topk_idx is in its symmetric
+// buffer; every rank makes this call), the schedule (routing.h), then an end barrier (every rank
+// has read every topk_idx, so a later call may overwrite them). One call of the epoch sequence.
+// Reads only the shapes, the rank, layout and bases, the schedule's arrays, workspace and
+// routing status, status, epoch and timeout of args. A later moe_forward with schedule_given
+// runs on it; a bad expert id is reported as moe_forward reports it.
+std::string can_implement_schedule(const MoeForwardArgs& args);
+void moe_schedule(const MoeForwardArgs& args, cudaStream_t stream);
 
 // "" for a clean status, else what failed, e.g. "rank 0 timed out waiting at the start barrier for
 // rank 1 (saw epoch 0, wanted 3)" or the expert kernels' status message. The epoch named is the one

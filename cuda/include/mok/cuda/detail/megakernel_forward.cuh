@@ -94,6 +94,7 @@ enum WaitCode : int32_t {
   kWaitDyRows = 22,      // the backward's GEMMs waited for the dy rows of minibatch `where`
   kWaitDgradTiles = 23,  // the backward's second GEMM or weight gradients waited for the dh tiles of row block `where`
   kCallMismatch = 24,    // the start barrier: rank `where` makes a different call (shapes or pass)
+  kWaitScheduled = 25,   // a schedule call's end barrier waited for rank `where` to read the routing
 };
 // The tile scheduler's status for a call given up before the megakernel's launch (no tasks).
 inline constexpr int32_t kCallGivenUp = 3;
