@@ -1,7 +1,8 @@
 """mok.moe over an expert-parallel group of 2 GPUs (NCCL + torch symmetric memory): the fused
 forward and its backward (bf16, and fp8 against the reference's fp8 layer) on every rank against the C++ reference over the same emulated ranks,
 bitwise the same on a rerun, and bitwise the same as the whole batch on one GPU (results do not
-depend on the number of ranks); a CUDA graph of a training step replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
+depend on the number of ranks); the explicit passes on a GPU workspace give mok.moe's bits; a CUDA graph of a
+training step replays bitwise as eager calls. Skipped without two sm_90 GPUs and the sm_90a library
 (tools/gpu.sh runs it on the 2-GPU machine).
 """
 
@@ -65,6 +66,31 @@ def run_layer(case: td.Case, p: td.GlobalProblem, group: dist.ProcessGroup | Non
     return {k: v.detach().clone() for k, v in out.items()}
 
 
+def run_explicit(case: td.Case, p: td.GlobalProblem, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This rank's y and gradients through the explicit passes on a GPU workspace of the group:
+    build_schedule, forward, recompute_forward_context, backward (on the recomputed context)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    El = p.weights[0].shape[0] // size
+    mine = slice(rank * El, (rank + 1) * El)
+    x, w, dy = p.x[rank].to(dev), p.topk_w[rank].to(dev), p.dy[rank].to(dev)
+    weights = [t[mine].to(dev, torch.bfloat16).contiguous() for t in p.weights]
+    shared = tuple(t.to(dev, torch.bfloat16) for t in p.shared) if p.shared else None
+    Is = shared[0].shape[0] if shared else 0
+    ws = mok.create_workspace(mok.MoeConfig(precision=case.precision), dist.group.WORLD, device=dev,
+                              num_local_tokens=case.tokens, hidden=x.shape[1], intermediate=weights[0].shape[1],
+                              num_experts=p.weights[0].shape[0], topk=w.shape[1], shared_intermediate=Is,
+                              swiglu_limit=case.limit)
+    s = mok.build_schedule(ws, p.topk_idx[rank].to(dev))
+    y, _ = mok.forward(ws, s, x, w, *weights, shared)
+    ctx = mok.recompute_forward_context(ws, s, x, *weights, shared)
+    g = mok.backward(ws, s, ctx, dy, x, w, *weights, shared)
+    ws.check()
+    out = {"y": y, "dx": g.d_x, "d_topk_w": g.d_topk_w, "d_gate": g.d_w_gate, "d_up": g.d_w_up, "d_down": g.d_w_down}
+    if shared:
+        out.update(zip(SHARED, (g.d_s_gate, g.d_s_up, g.d_s_down)))
+    return out
+
+
 def relative_error(actual: torch.Tensor, expected: np.ndarray) -> float:
     a = actual.detach().float().cpu().reshape(-1)
     e = torch.from_numpy(np.ascontiguousarray(expected)).float().reshape(-1)
@@ -92,6 +118,9 @@ def check_case(case: td.Case, rank: int, size: int) -> None:
     again = run_layer(case, p, dist.group.WORLD, rank, size)
     for name, a in ours.items():
         assert torch.equal(a, again[name]), f"{where}: {name} differs between two runs"
+    explicit = run_explicit(case, p, rank, size)
+    for name, a in ours.items():
+        assert torch.equal(a, explicit[name]), f"{where}: {name} of the explicit passes differs from mok.moe's"
     # The whole batch on this GPU alone, all experts local: the same bits for this rank's tokens and
     # experts, the shared expert's y and dx included (it runs on the expert kernels, where a row's
     # outputs do not depend on the other rows); its weight gradient there sums every rank's tokens
