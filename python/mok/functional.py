@@ -186,10 +186,12 @@ class Gradients(NamedTuple):
 class Workspace:
     """One layer shape on one expert-parallel group: the validated problem, the plan, the buffers.
 
-    Sizes come from the C++ planner (``plan``); Python does no offset arithmetic. On GPUs the
-    buffers are ``symmetric`` (torch symmetric memory, peers address it), ``schedule`` and
-    ``ring``; the CPU backend exchanges through torch.distributed and holds none.
-    One workspace serves every layer of that shape; calls that share it run one at a time.
+    Sizes come from the C++ planner (``plan``); Python does no offset arithmetic. On a GPU the
+    workspace holds the C API handle (``gpu``: the planner's ring, the schedule's scratch, the
+    backward's) and its ``symmetric`` buffer (torch symmetric memory over the group, which peers
+    address); the CPU backend exchanges through torch.distributed and holds none. One workspace
+    serves every layer of that shape; calls that share it run one at a time, in the same order on
+    every rank.
     """
 
     desc: Any  # mok._C.MoeDesc
