@@ -1072,7 +1072,7 @@ std::string describe_wait_status(const int32_t w[kFailureWords]) {
     case detail::kWaitScheduled:
       out << "rank " << rank << " timed out after its schedule waiting for rank " << where
           << " to finish reading the routing (saw epoch " << seen << ", wanted " << epoch
-          << "): that rank did not make this schedule call";
+          << "): that rank passed the start barrier of this schedule call and did not reach its end in time";
       break;
     case detail::kWaitCombine:
       out << "rank " << rank << " timed out waiting for rank " << where << " to push its combine rows (saw epoch "

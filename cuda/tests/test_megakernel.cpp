@@ -54,6 +54,10 @@ struct RunConfig {
   // Each forward's schedule built first in a call of its own (moe_schedule, one more epoch), and the
   // forward run on it (schedule_given): the explicit passes' build_schedule and forward. Not with graph.
   bool schedule_first = false;
+  // With schedule_first: after its schedule call each rank's topk_idx is replaced by another routing
+  // (every id + 1 mod E; the original is written back before the next schedule call), so a forward
+  // that built its schedule again instead of running on the given one would compute other rows.
+  bool scramble_after_schedule = false;
 
   bool replays(int rank) const { return replay || (rank1_replays && rank == 1); }
 };
@@ -115,6 +119,8 @@ struct Rank {
   // fp8_dgrad: W_down^T and [W_gate^T | W_up^T] in e4m3 with their scales, and the scratch.
   std::unique_ptr<DeviceBuffer<uint8_t>> wd_t8, wgu_t8, dgrad_scratch;
   std::unique_ptr<DeviceBuffer<float>> wd_t_scales, wgu_t_scales;
+  // scramble_after_schedule: the rank's routing and the other one.
+  std::unique_ptr<DeviceBuffer<int32_t>> routing, scrambled;
 };
 
 // A weight [El, rows, cols] (bf16 on the device) as e4m3 codes and block scales, on the GPU.
@@ -231,6 +237,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
                cudaMemcpyHostToDevice);
     cudaMemcpy(SymmetricLayout::at<void>(bases[r], layout.topk_w), in.topk_w[r].data(), T * k * 4,
                cudaMemcpyHostToDevice);
+    if (cfg.scramble_after_schedule) {
+      std::vector<int32_t> other(in.topk_idx[r].begin(), in.topk_idx[r].end());
+      for (int32_t& e : other)
+        if (e >= 0) e = int32_t((e + 1) % d.num_experts);
+      rk.routing = std::make_unique<DeviceBuffer<int32_t>>(size_t(T * k));
+      rk.scrambled = std::make_unique<DeviceBuffer<int32_t>>(size_t(T * k));
+      rk.routing->upload(std::vector<int32_t>(in.topk_idx[r].begin(), in.topk_idx[r].end()));
+      rk.scrambled->upload(other);
+    }
   }
   if (cfg.own_gpus) {
     for (int r = 0; r < R; ++r) {
@@ -297,9 +312,15 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         } else {
           Capture capture(cfg.capture, rk.stream);
           if (cfg.schedule_first) {
+            void* topk_idx = SymmetricLayout::at<void>(bases[r], layout.topk_idx);
+            const size_t bytes = size_t(T * k) * 4;
+            if (cfg.scramble_after_schedule)  // (stream-ordered: no peer reads it before this call's start barrier)
+              cudaMemcpyAsync(topk_idx, rk.routing->ptr, bytes, cudaMemcpyDeviceToDevice, rk.stream);
             cuda::MoeForwardArgs schedule = a;
             schedule.epoch = a.epoch - 1;
             cuda::moe_schedule(schedule, rk.stream);
+            if (cfg.scramble_after_schedule)  // (after the end barrier: every peer has read it)
+              cudaMemcpyAsync(topk_idx, rk.scrambled->ptr, bytes, cudaMemcpyDeviceToDevice, rk.stream);
             a.schedule_given = true;
           }
           cuda::moe_forward(a, rk.stream);
@@ -910,7 +931,8 @@ INSTANTIATE_TEST_SUITE_P(
 // The explicit passes' order: a schedule call of its own (moe_schedule: start barrier, schedule,
 // end barrier), then the forward on that schedule (schedule_given) and the backward. The same
 // bits as the forward that builds its own schedule, on 1 and 2 ranks (sharing one GPU, and on two
-// GPUs when there are), on reruns, with a small ring and comm CTAs.
+// GPUs when there are), on reruns, with a small ring and comm CTAs; with every rank's routing
+// replaced after its schedule call, so that a forward building its schedule again would differ.
 TEST(MegakernelSchedule, AScheduleCallThenTheForwardOnItGiveTheSameBits) {
   if (device_count() < 1) GTEST_SKIP() << "no GPU";
   for (const int R : {1, 2}) {
@@ -928,6 +950,7 @@ TEST(MegakernelSchedule, AScheduleCallThenTheForwardOnItGiveTheSameBits) {
       for (const bool small_ring : {false, true}) {
         RunConfig cfg = base;
         cfg.schedule_first = true;
+        cfg.scramble_after_schedule = true;
         if (small_ring) {  // one 256-row minibatch in the ring, comm CTAs, the backward replays the rows
           cfg.minibatch_rows = 256;
           cfg.ring_slots = 1;

@@ -1,9 +1,10 @@
 """The explicit passes on CUDA tensors: :func:`mok.build_schedule`, :func:`mok.forward`,
 :func:`mok.recompute_forward_context` and :func:`mok.backward` on a GPU workspace, through the
-same C API handle and kernels as :func:`mok.moe` (:mod:`mok._cuda_layer`), with the same bits.
+same kind of C API handle and the same kernels as :func:`mok.moe` (:mod:`mok._cuda_layer`), with
+the same bits.
 
-A GPU workspace owns one handle (keep_rows: it keeps contexts) and the symmetric buffer of its
-group. Each pass is one call of the sequence every rank of the group makes in the same order
+A GPU workspace owns its handle (keep_rows: it keeps contexts), its symmetric buffer over the
+group and its epoch sequence, apart from the layer's (so explicit calls and mok.moe calls mix). Each pass is one call of the sequence every rank of the group makes in the same order
 (build_schedule, forward, recompute_forward_context, backward: one epoch each); the host never
 waits for the device.
 
@@ -20,8 +21,10 @@ What differs from the CPU backend, where the schedule has the exact row count M 
   each row at its schedule position; rows past an expert's real rows are padding. At fp8 the
   context keeps no x rows (``x_rows`` has 0 rows): the backward pulls x again.
 - Errors found on the device (an expert id out of range, a NaN, a peer that never came) are
-  sticky in the workspace: raised by its next call ("an earlier call failed") and by
-  :meth:`mok.Workspace.check`, which synchronizes.
+  sticky in the workspace: raised by a later call once the device has reported them ("an earlier
+  call failed") and by :meth:`mok.Workspace.check`, which synchronizes. A check that fails on one
+  rank raises there only: the others are not waiting in an agreement but at their call's start
+  barrier, which times out naming that rank.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _empty(rows: int, cols: int, device: torch.device, dtype: torch.dtype = torc
 def build_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, topk_idx: Tensor) -> tuple[Tensor, ...]:
     """The Schedule's fields (functional.Schedule, the CUDA layout in this module's docstring)."""
     device, R, El = ws.device, ws.ranks, ws.local_experts
-    T, k = topk_idx.shape
+    k = topk_idx.shape[1]
     i32, i64 = torch.int32, torch.int64
     if gpu is None:  # no tokens
         return (torch.zeros(El + 1, dtype=i32, device=device), torch.empty(0, dtype=i32, device=device),
@@ -103,6 +106,7 @@ def check_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any) -
             got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"schedule.{name} is {got}, expected {shape} int32 on {ws.device}: a schedule from "
                              "mok.build_schedule on this workspace")
+        _check_layout(t, f"schedule.{name}")
 
 
 def check_context(ws: Any, gpu: _cuda_layer._Workspace | None, context: Any) -> None:
@@ -118,10 +122,17 @@ def check_context(ws: Any, gpu: _cuda_layer._Workspace | None, context: Any) -> 
             got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"context.{name} is {got}, expected {shape} bfloat16 on {ws.device}: a context from "
                              "mok.forward on this workspace")
+        _check_layout(t, f"context.{name}")
 
 
-def _context(gpu: _cuda_layer._Workspace, schedule: Any, x_rows: Tensor | None, h: Tensor, gu: Tensor
-             ) -> kernels.Context:
+def _check_layout(t: Tensor, name: str) -> None:
+    """The kernels read a schedule or context tensor by its address: dense and 16-byte aligned."""
+    if not t.is_contiguous() or t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be a contiguous, 16-byte aligned tensor (the kernels read it by address), "
+                         f"got strides {t.stride()} at offset {t.storage_offset()}")
+
+
+def _context(schedule: Any, x_rows: Tensor | None, h: Tensor, gu: Tensor) -> kernels.Context:
     return kernels.Context.of(False, x_rows, h, gu, schedule.expert_offsets, schedule.row_src_rank,
                               schedule.row_src_slot)
 
@@ -140,7 +151,7 @@ def forward(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any, x: Tenso
     limit = None if ws.desc.swiglu_limit is None else float(ws.desc.swiglu_limit)
     with torch.cuda.device(device):
         x_rows, h, gu = gpu.fused.row_buffers(device)
-        context = _context(gpu, schedule, x_rows, h, gu)
+        context = _context(schedule, x_rows, h, gu)
         y, _, kept, _, _ = _cuda_layer._training_forward(gpu, x.contiguous(), schedule.topk_idx, topk_w.contiguous(),
                                                          w_gate, w_up, w_down, s_gate, s_up, s_down, limit, True,
                                                          context=context)
@@ -163,7 +174,7 @@ def backward(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any, context
     limit = None if ws.desc.swiglu_limit is None else float(ws.desc.swiglu_limit)
     device = ws.device
     with torch.cuda.device(device):
-        kept = _context(gpu, schedule, context.x_rows if context.x_rows.numel() else None, context.hidden,
+        kept = _context(schedule, context.x_rows if context.x_rows.numel() else None, context.hidden,
                         context.gate_up)
         operands, shared_operands = _cuda_layer._layer_fp8_operands(gpu, w_gate, w_up, w_down, s_gate, s_up, s_down)
         shared_rows: tuple[Tensor, ...] = ()

@@ -566,8 +566,8 @@ class FusedForward:
 
     def _check_bases(self, bases: list[int], device: torch.device) -> None:
         if not self._handle:  # a null handle would reach the C API as a null pointer
-            raise RuntimeError("mok: this workspace was released (mok.clear_workspace_cache): get a new one with "
-                               "mok.get_workspace")
+            raise RuntimeError("mok: this workspace was released (mok.clear_workspace_cache): get a new one "
+                               "(mok.get_workspace; mok.moe makes its own at its next call)")
         if len(bases) != self.ranks:
             raise ValueError(f"bases has {len(bases)} addresses, expected one per rank ({self.ranks})")
         if device != self.device:

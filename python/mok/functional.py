@@ -302,15 +302,21 @@ def _int_or_none(value: object, name: str) -> None:
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """``device`` with the current CUDA device's index where it names none."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def create_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, device: torch.device | str,
                      num_local_tokens: int, hidden: int, intermediate: int, num_experts: int, topk: int,
                      shared_intermediate: int = 0, swiglu_limit: float | None = None) -> Workspace:
     """A new workspace (uncached); collective over ``group``. See :func:`get_workspace`."""
     config = MoeConfig() if config is None else config
     ep = _dist.resolve(_dist.group_name_of(group))
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolved(device)
     sizes = dict(num_local_tokens=num_local_tokens, hidden=hidden, intermediate=intermediate,
                  num_experts=num_experts, topk=topk, shared_intermediate=shared_intermediate)
     descs: list[Any] = []
@@ -366,7 +372,7 @@ def get_workspace(config: MoeConfig | None, group: dist.ProcessGroup | None, *, 
                                 shared_intermediate=shared_intermediate, swiglu_limit=swiglu_limit)
     # Values with their types: 6.0 must not find the workspace of 6 (it gets rejected, on every rank).
     values = (num_local_tokens, hidden, intermediate, num_experts, topk, shared_intermediate, swiglu_limit, config)
-    key = (_dist.group_name_of(group), str(torch.device(device))) + tuple((type(v), v) for v in values)
+    key = (_dist.group_name_of(group), str(_resolved(device))) + tuple((type(v), v) for v in values)
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = create_workspace(config, group, device=device, num_local_tokens=num_local_tokens, hidden=hidden,
@@ -429,10 +435,12 @@ def _schedule_list(schedule: object) -> list[Tensor]:
     return list(schedule)[:_CPU_SCHEDULE_FIELDS]
 
 
-def _checked(group_name: str, step: str, check: Callable[[], _R]) -> _R:
+def _checked(group_name: str, step: str, check: Callable[[], _R], report: bool = True) -> _R:
     """Runs the local checks of a collective call. With a group, a failure is first reported to the
-    other ranks, which are waiting in that step's agreement: they raise too, naming this rank."""
-    if torch.compiler.is_compiling():  # traced on every rank alike; errors surface at trace time
+    other ranks, which are waiting in that step's agreement: they raise too, naming this rank.
+    ``report`` False: the others wait in no agreement (a GPU workspace's passes: they reach their
+    start barrier and time out naming this rank), so the failure is only raised here."""
+    if torch.compiler.is_compiling() or not report:  # traced on every rank alike; errors surface at trace time
         return check()
     try:
         return check()
@@ -446,7 +454,8 @@ def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
     in ``[0, E)`` or -1 (an empty slot; ValueError naming the first id that is neither)."""
     ws = _check_workspace(workspace)
     _checked(ws.group_name, "build_schedule", lambda: _checks.check_tensor(
-        topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device))
+        topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device),
+        report=ws.device.type != "cuda")
     if ws.device.type == "cuda":
         from . import _cuda_explicit
 
@@ -478,7 +487,7 @@ def forward(workspace: Workspace, schedule: Schedule, x: Tensor, topk_w: Tensor,
     """``(y [T,H] bf16, context)``; collective. Not recorded by autograd (see :func:`moe` for that)."""
     ws = _check_workspace(workspace)
     s_gate, s_up, s_down = _checked(ws.group_name, "forward", lambda: _check_pass(
-        ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared))
+        ws, schedule, x, topk_w, (w_gate, w_up, w_down), shared), report=ws.device.type != "cuda")
     if ws.device.type == "cuda":
         from . import _cuda_explicit
 
@@ -499,7 +508,7 @@ def recompute_forward_context(workspace: Workspace, schedule: Schedule, x: Tenso
     on a GPU workspace this is a whole forward (its y dropped)."""
     ws = _check_workspace(workspace)
     s_gate, s_up, s_down = _checked(ws.group_name, "recompute_forward_context", lambda: _check_pass(
-        ws, schedule, x, None, (w_gate, w_up, w_down), shared, topk=ws.desc.topk))
+        ws, schedule, x, None, (w_gate, w_up, w_down), shared, topk=ws.desc.topk), report=ws.device.type != "cuda")
     if ws.device.type == "cuda":
         from . import _cuda_explicit
 
@@ -533,7 +542,7 @@ def backward(workspace: Workspace, schedule: Schedule, context: ForwardContext, 
             _cuda_explicit.check_context(ws, ws.gpu, context)
         return checked
 
-    s_gate, s_up, s_down = _checked(ws.group_name, "backward", check)
+    s_gate, s_up, s_down = _checked(ws.group_name, "backward", check, report=ws.device.type != "cuda")
     if ws.device.type == "cuda":
         from . import _cuda_explicit
 

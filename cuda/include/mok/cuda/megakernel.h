@@ -285,8 +285,9 @@ void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
 // expert_rows, src_rank and src_slot: a start barrier (every rank's topk_idx is in its symmetric
 // buffer; every rank makes this call), the schedule (routing.h), then an end barrier (every rank
 // has read every topk_idx, so a later call may overwrite them). One call of the epoch sequence.
-// Reads only the shapes, the rank, layout and bases, the schedule's arrays, workspace and
-// routing status, status, epoch and timeout of args. A later moe_forward with schedule_given
+// Reads only the shapes (hidden, intermediate and swiglu_limit too: the call word), the rank,
+// layout and bases, the schedule's arrays, workspace and routing status, status, epoch (or
+// epoch_counter) and timeout of args. A later moe_forward with schedule_given
 // runs on it; a bad expert id is reported as moe_forward reports it.
 std::string can_implement_schedule(const MoeForwardArgs& args);
 void moe_schedule(const MoeForwardArgs& args, cudaStream_t stream);
