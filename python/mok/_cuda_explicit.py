@@ -4,7 +4,8 @@ same kind of C API handle and the same kernels as :func:`mok.moe` (:mod:`mok._cu
 the same bits.
 
 A GPU workspace owns its handle (keep_rows: it keeps contexts), its symmetric buffer over the
-group and its epoch sequence, apart from the layer's (so explicit calls and mok.moe calls mix). Each pass is one call of the sequence every rank of the group makes in the same order
+group and its epoch sequence, apart from the layer's (so explicit calls and mok.moe calls mix).
+Each pass is one call of the sequence every rank of the group makes in the same order
 (build_schedule, forward, recompute_forward_context, backward: one epoch each); the host never
 waits for the device.
 

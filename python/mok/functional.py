@@ -451,7 +451,9 @@ def _checked(group_name: str, step: str, check: Callable[[], _R], report: bool =
 
 def build_schedule(workspace: Workspace, topk_idx: Tensor) -> Schedule:
     """The routing schedule of one pass; collective. ``topk_idx`` int32/int64 ``[T,k]``, global expert ids
-    in ``[0, E)`` or -1 (an empty slot; ValueError naming the first id that is neither)."""
+    in ``[0, E)`` or -1 (an empty slot; ValueError naming the first id that is neither; on a GPU
+    workspace the device finds it, and ``workspace.check()`` or a later call raises RuntimeError
+    naming it)."""
     ws = _check_workspace(workspace)
     _checked(ws.group_name, "build_schedule", lambda: _checks.check_tensor(
         topk_idx, "topk_idx", _checks.INDEX_DTYPES, (("T", ws.desc.tokens_per_rank), ("k", ws.desc.topk)), ws.device),
