@@ -1,0 +1,89 @@
+"""What the explicit passes cost against mok.moe on one GPU: the same layer, the same inputs,
+timed in one process, the two taking turns.
+
+- ``moe``: ``mok.moe`` forward and backward through autograd (the forward builds its schedule);
+- ``explicit``: ``mok.build_schedule`` (a call of its own) -> ``mok.forward`` -> ``mok.backward``;
+- ``schedule``: ``mok.build_schedule`` alone.
+
+Printed: median milliseconds over the timed iterations (CUDA events around each), and the bits of
+y and dx of the two paths compared.
+
+    python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import mok
+from mok import testing
+
+from .presets import get_preset
+
+
+def timed(fn, iters: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    shape = get_preset(args.preset)
+    T, E, H, I, k = args.tokens, shape.E, shape.H, shape.I, shape.topk
+    p = testing.random_problem(T, E, H, I, k, seed=1, device="cuda")
+    dy = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(torch.bfloat16)
+    weights = [w.detach().clone().requires_grad_(True) for w in (p.w_gate, p.w_up, p.w_down)]
+    x = p.x.detach().clone().requires_grad_(True)
+    w = p.topk_w.detach().clone().requires_grad_(True)
+    ws = mok.get_workspace(None, None, device="cuda", num_local_tokens=T, hidden=H, intermediate=I, num_experts=E,
+                           topk=k)
+    out: dict[str, torch.Tensor] = {}
+
+    def moe() -> None:
+        y = mok.moe(x, p.topk_idx, w, *weights)
+        y.backward(dy)
+        out["moe"] = y.detach()
+        out["moe dx"] = x.grad  # type: ignore[assignment]
+        x.grad = None
+
+    def explicit() -> None:
+        s = mok.build_schedule(ws, p.topk_idx)
+        y, ctx = mok.forward(ws, s, p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)
+        g = mok.backward(ws, s, ctx, dy, p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)
+        out["explicit"], out["explicit dx"] = y, g.d_x
+
+    def schedule() -> None:
+        mok.build_schedule(ws, p.topk_idx)
+
+    for fn in (moe, explicit, schedule):  # warm-up: workspaces, kernels
+        fn()
+    results: dict[str, list[float]] = {"moe": [], "explicit": [], "schedule": []}
+    for _ in range(3):  # turns, so that clocks treat them alike
+        results["moe"].append(timed(moe, args.iters))
+        results["explicit"].append(timed(explicit, args.iters))
+        results["schedule"].append(timed(schedule, args.iters))
+    ws.check()
+    print(f"{args.preset}, {T} tokens, one GPU, {args.iters} iterations x 3 turns (median of the turns' medians)")
+    for name, values in results.items():
+        print(f"  {name:9s} {statistics.median(values):8.3f} ms   turns {', '.join(f'{v:.3f}' for v in values)}")
+    print(f"  explicit / moe: {statistics.median(results['explicit']) / statistics.median(results['moe']):.3f}")
+    print(f"  y bitwise equal: {torch.equal(out['moe'], out['explicit'])}; "
+          f"dx bitwise equal: {torch.equal(out['moe dx'], out['explicit dx'])}")
+
+
+if __name__ == "__main__":
+    main()
