@@ -58,7 +58,8 @@ def main() -> None:
         y.backward(dy)
         out["moe"] = y.detach()
         out["moe dx"] = x.grad  # type: ignore[assignment]
-        x.grad = None
+        for t in (x, w, *weights):  # fresh gradients each time, as the explicit passes make them (no accumulation)
+            t.grad = None
 
     def explicit() -> None:
         s = mok.build_schedule(ws, p.topk_idx)
