@@ -98,16 +98,11 @@ def check_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any) -
         raise ValueError("schedule was built for CPU tensors: build it on this GPU workspace (mok.build_schedule)")
     cap = 0 if gpu is None else gpu.fused.row_capacity
     T, k, El = ws.desc.tokens_per_rank, ws.desc.topk, ws.local_experts
-    i32 = torch.int32
     for name, t, shape in (("expert_offsets", schedule.expert_offsets, (El + 1,)),
                            ("row_src_rank", schedule.row_src_rank, (cap,)),
                            ("row_src_slot", schedule.row_src_slot, (cap,)), ("expert_rows", schedule.expert_rows, (El,)),
                            ("topk_idx", schedule.topk_idx, (T, k))):
-        if not isinstance(t, Tensor) or t.dtype != i32 or tuple(t.shape) != shape or t.device != ws.device:
-            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"schedule.{name} is {got}, expected {shape} int32 on {ws.device}: a schedule from "
-                             "mok.build_schedule on this workspace")
-        _check_layout(t, f"schedule.{name}")
+        _check_buffer(ws, f"schedule.{name}", t, shape, torch.int32, "a schedule from mok.build_schedule")
 
 
 def check_context(ws: Any, gpu: _cuda_layer._Workspace | None, context: Any) -> None:
@@ -118,16 +113,16 @@ def check_context(ws: Any, gpu: _cuda_layer._Workspace | None, context: Any) -> 
     for name, t, shape in (("x_rows", context.x_rows, (x_rows, H)), ("gate_up", context.gate_up, (rows, 2 * I)),
                            ("hidden", context.hidden, (rows, I)), ("shared_gate_up", context.shared_gate_up, (T, 2 * Is)),
                            ("shared_hidden", context.shared_hidden, (T, Is))):
-        if (not isinstance(t, Tensor) or t.dtype != torch.bfloat16 or tuple(t.shape) != shape
-                or t.device != ws.device):
-            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"context.{name} is {got}, expected {shape} bfloat16 on {ws.device}: a context from "
-                             "mok.forward on this workspace")
-        _check_layout(t, f"context.{name}")
+        _check_buffer(ws, f"context.{name}", t, shape, torch.bfloat16, "a context from mok.forward")
 
 
-def _check_layout(t: Tensor, name: str) -> None:
-    """The kernels read a schedule or context tensor by its address: dense and 16-byte aligned."""
+def _check_buffer(ws: Any, name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, made_by: str) -> None:
+    """A schedule or context tensor the kernels will read by its address: ``shape``, ``dtype``, on
+    the workspace's device, dense and 16-byte aligned (``made_by``: what makes a right one)."""
+    if not isinstance(t, Tensor) or t.dtype != dtype or tuple(t.shape) != shape or t.device != ws.device:
+        got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} is {got}, expected {shape} {str(dtype).removeprefix('torch.')} on {ws.device}: "
+                         f"{made_by} on this workspace")
     if not t.is_contiguous() or t.data_ptr() % 16 != 0:
         raise ValueError(f"{name} must be a contiguous, 16-byte aligned tensor (the kernels read it by address), "
                          f"got strides {t.stride()} at offset {t.storage_offset()}")
