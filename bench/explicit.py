@@ -5,16 +5,19 @@ timed in one process, the two taking turns.
 - ``explicit``: ``mok.build_schedule`` (a call of its own) -> ``mok.forward`` -> ``mok.backward``;
 - ``schedule``: ``mok.build_schedule`` alone.
 
-Printed: median milliseconds over the timed iterations (CUDA events around each), and the bits of
-y and dx of the two paths compared.
+Printed: median milliseconds over the timed iterations (the harness's timer, ``bench.runtime.measure``:
+CUDA events around each iteration, launched back to back), and the bits of y and dx of the two paths
+compared. ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
 
-    python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192
+    python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192 [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,26 +25,30 @@ import mok
 from mok import testing
 
 from .presets import get_preset
+from .runtime import GPU_TIMING, Runtime, init_runtime, measure
 
 
-def timed(fn, iters: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def profile(fn: Callable[[], None], path: Path, label: str, iters: int = 5) -> None:
+    """``iters`` calls of ``fn`` under the torch profiler: its kernels and ops by device time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{label}: {iters} calls (times are totals over the calls)\n{table}\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", type=Path, default=None, help="also write each one's kernel table here")
     args = parser.parse_args()
+    rt: Runtime = init_runtime(smoke=False, timeout_s=300)
     shape = get_preset(args.preset)
     T, E, H, I, k = args.tokens, shape.E, shape.H, shape.I, shape.topk
     p = testing.random_problem(T, E, H, I, k, seed=1, device="cuda")
@@ -70,15 +77,18 @@ def main() -> None:
     def schedule() -> None:
         mok.build_schedule(ws, p.topk_idx)
 
-    for fn in (moe, explicit, schedule):  # warm-up: workspaces, kernels
+    fns = {"moe": moe, "explicit": explicit, "schedule": schedule}
+    for fn in fns.values():  # warm-up: workspaces, kernels
         fn()
-    results: dict[str, list[float]] = {"moe": [], "explicit": [], "schedule": []}
+    results: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(3):  # turns, so that clocks treat them alike
-        results["moe"].append(timed(moe, args.iters))
-        results["explicit"].append(timed(explicit, args.iters))
-        results["schedule"].append(timed(schedule, args.iters))
+        for name, fn in fns.items():
+            results[name].append(measure(rt, lambda _arg, fn=fn: fn(), GPU_TIMING).median_ms)
     ws.check()
-    print(f"{args.preset}, {T} tokens, one GPU, {args.iters} iterations x 3 turns (median of the turns' medians)")
+    if args.profile is not None:
+        for name, fn in fns.items():
+            profile(fn, args.profile / f"explicit_{args.preset}_{T}_{name}.txt", f"{args.preset} {T} tokens: {name}")
+    print(f"{args.preset}, {T} tokens, one GPU, the harness's timer x 3 turns (median of the turns' medians)")
     for name, values in results.items():
         print(f"  {name:9s} {statistics.median(values):8.3f} ms   turns {', '.join(f'{v:.3f}' for v in values)}")
     print(f"  explicit / moe: {statistics.median(results['explicit']) / statistics.median(results['moe']):.3f}")
