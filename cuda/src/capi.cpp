@@ -675,9 +675,10 @@ int mok_cuda_backward_run(void* handle, const int64_t* bases, const void* w_gate
 // This rank's schedule alone (megakernel.h: moe_schedule), one call of the sequence: every rank
 // has written its topk_idx into its symmetric buffer. offsets [El+1], src_rank and src_slot [row
 // capacity] int32 (a context's schedule buffers, which a later forward with schedule_given runs
-// on); rows (optional) [El] int32, each expert's real rows.
+// on; rows past the real ones -1); optional: rows [El] int32, each expert's real rows, and
+// send_counts, recv_counts [ranks] int64 (megakernel.h: moe_schedule).
 int mok_cuda_schedule_run(void* handle, const int64_t* bases, void* offsets, void* rows, void* src_rank, void* src_slot,
-                          void* stream, char* error, int error_len) {
+                          void* send_counts, void* recv_counts, void* stream, char* error, int error_len) {
   return handle_call(error, error_len, [&] {
     auto* h = static_cast<ForwardHandle*>(handle);
     if (!h->keeps_rows) throw std::invalid_argument("this forward was created without keep_rows: it keeps no schedule");
@@ -691,7 +692,9 @@ int mok_cuda_schedule_run(void* handle, const int64_t* bases, void* offsets, voi
     if (rows != nullptr) a.expert_rows = static_cast<int32_t*>(rows);
     a.src_rank = static_cast<int32_t*>(src_rank);
     a.src_slot = static_cast<int32_t*>(src_slot);
-    run_in_sequence(*h, a, mok::cuda::moe_schedule, stream);
+    run_in_sequence(*h, a, [&](const mok::cuda::MoeForwardArgs& args, cudaStream_t st) {
+      mok::cuda::moe_schedule(args, st, static_cast<int64_t*>(send_counts), static_cast<int64_t*>(recv_counts));
+    }, stream);
   });
 }
 

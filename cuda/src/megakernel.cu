@@ -628,7 +628,7 @@ std::string can_implement_schedule(const MoeForwardArgs& a) {
   return host_util::trimmed(why.str());
 }
 
-void moe_schedule(const MoeForwardArgs& a, cudaStream_t stream) {
+void moe_schedule(const MoeForwardArgs& a, cudaStream_t stream, int64_t* send_counts, int64_t* recv_counts) {
   if (const std::string why = can_implement_schedule(a); !why.empty())
     throw std::invalid_argument("mok moe_schedule: " + why);
   host_util::bind_context();
@@ -646,8 +646,11 @@ void moe_schedule(const MoeForwardArgs& a, cudaStream_t stream) {
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(a.shape, a.hidden, a.intermediate, a.swiglu_limit, kScheduleCall));
-  // 2. The schedule.
+  // 2. The schedule, every row past the real ones a padding row.
+  for (int32_t* rows : {a.src_rank, a.src_slot})
+    check(cudaMemsetAsync(rows, 0xff, size_t(a.row_capacity) * sizeof(int32_t), stream), "clear the schedule's rows");
   build_schedule(sa, stream);
+  schedule_totals(sa, send_counts, recv_counts, stream);
   // 3. Every rank has read every rank's topk_idx (the combine's arrival words: this call pushes no rows).
   barrier(R, status, detail::kWaitScheduled, true,
           [&](int s) { return signal_word(a.bases[s], l.combine_arrived(me)); },

@@ -303,6 +303,26 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
   check(cudaGetLastError(), "launch schedule place");
 }
 
+void schedule_totals(const ScheduleArgs& a, int64_t* send_counts, int64_t* recv_counts, cudaStream_t stream) {
+  require(a, "schedule_totals");
+  if (send_counts == nullptr && recv_counts == nullptr) return;
+  const RoutingShape& s = a.shape;
+  detail::ScheduleParams p{};
+  p.ranks = static_cast<int32_t>(s.ranks);
+  p.num_experts = static_cast<int32_t>(s.num_experts);
+  p.local_experts = static_cast<int32_t>(s.local_experts());
+  p.first_expert = static_cast<int32_t>(a.dest_rank * s.local_experts());
+  p.slots = static_cast<int32_t>(s.slots());
+  p.chunks_per_rank = static_cast<int32_t>(chunks_per_rank(s));
+  p.num_chunks = static_cast<int32_t>(s.ranks * chunks_per_rank(s));
+  p.counts = static_cast<int32_t*>(a.workspace);
+  p.expert_rows = a.expert_rows;
+  p.given_up_words = a.given_up_words;
+  for (int64_t r = 0; r < s.ranks; ++r) p.topk_idx[r] = a.topk_idx[r];
+  detail::schedule_totals_kernel<<<1, detail::kTotalsThreads, 0, stream>>>(p, send_counts, recv_counts);
+  check(cudaGetLastError(), "launch schedule totals");
+}
+
 // ---- dispatch and combine ----
 
 std::string can_implement(const GatherArgs& a) {
@@ -497,6 +517,7 @@ void preload_routing_kernels() {
   check(cudaFuncGetAttributes(&attr, detail::schedule_scan_kernel), "load schedule kernels");
   check(cudaFuncGetAttributes(&attr, detail::schedule_offsets_kernel), "load schedule kernels");
   check(cudaFuncGetAttributes(&attr, detail::schedule_place_kernel), "load schedule kernels");
+  check(cudaFuncGetAttributes(&attr, detail::schedule_totals_kernel), "load schedule kernels");
   check(cudaFuncGetAttributes(&attr, detail::gather_rows_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::invert_schedule_kernel), "load row kernels");
   check(cudaFuncGetAttributes(&attr, detail::link_rows_kernel), "load row kernels");

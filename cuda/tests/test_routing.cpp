@@ -89,7 +89,7 @@ int32_t poison_i32() {
 
 // ---- Routings ----
 
-enum class Gen { balanced, uniform, zipf, one_expert, last_expert, repeated };
+enum class Gen { balanced, uniform, zipf, one_expert, last_expert, repeated, masked };
 
 struct RoutingCase {
   std::string name;
@@ -125,6 +125,8 @@ std::vector<std::vector<int32_t>> routing_of(const RoutingCase& c, uint64_t seed
       return make_routing(d, RoutingKind::zipf, seed);
     case Gen::one_expert:
       return make_routing(d, RoutingKind::one_expert, seed);
+    case Gen::masked:  // empty slots (id -1) among the routed ones
+      return make_routing(d, RoutingKind::masked, seed);
     case Gen::last_expert:  // every (token, j) to the very last expert: one expert gets R*T*k rows
       return std::vector<std::vector<int32_t>>(
           c.R, std::vector<int32_t>(c.T * c.k, static_cast<int32_t>(c.E - 1)));
@@ -220,6 +222,20 @@ HostSchedule host_tables(const RankSchedule& s) {
 
 class RoutingSchedule : public ::testing::TestWithParam<RoutingCase> {};
 
+// The per-rank totals schedule_totals adds to a schedule: what the host counts in the routing.
+struct Totals {
+  std::vector<int64_t> send, recv;
+};
+Totals host_totals(const std::vector<std::vector<int32_t>>& idx, const HostSchedule& schedule, int64_t dest,
+                   int64_t E) {
+  const int64_t R = int64_t(idx.size()), El = E / R;
+  Totals t{std::vector<int64_t>(R, 0), std::vector<int64_t>(R, 0)};
+  for (const int32_t v : idx[dest])
+    if (v >= 0 && v < E) ++t.send[v / El];
+  for (const int32_t s : schedule.src_rank) ++t.recv[s];
+  return t;
+}
+
 TEST_P(RoutingSchedule, MatchesTheCpuScheduleBitwiseAndIsDeterministic) {
   const RoutingCase& c = GetParam();
   const MoeDesc desc = desc_of(c);
@@ -237,13 +253,20 @@ TEST_P(RoutingSchedule, MatchesTheCpuScheduleBitwiseAndIsDeterministic) {
     const size_t M = want.src_rank.size();
     const cuda::ScheduleArgs a = ds.args(dest, droute.ptrs);
     ASSERT_EQ(cuda::can_implement(a), "");
+    const Totals want_totals = host_totals(idx, want, dest, c.E);
+    DeviceBuffer<int64_t> send(c.R), recv(c.R);
     HostSchedule first;
     for (int run = 0; run < kRuns; ++run) {
       SCOPED_TRACE("run " + std::to_string(run));
       ds.poison();
+      send.poison(0x7f);
+      recv.poison(0x7f);
       cuda::build_schedule(a, nullptr);
+      cuda::schedule_totals(a, send.ptr, recv.ptr, nullptr);
       CUDA_OK(cudaDeviceSynchronize());
       ASSERT_EQ(cuda::read_routing_status(ds.status.ptr, shape, nullptr), "");
+      EXPECT_EQ(send.download(), want_totals.send) << "send_counts";
+      EXPECT_EQ(recv.download(), want_totals.recv) << "recv_counts";
       HostSchedule got{ds.offsets.download(), ds.rows.download(), ds.src_rank.download(),
                        ds.src_slot.download()};
       if (run == 0) {
@@ -280,6 +303,7 @@ std::vector<RoutingCase> schedule_cases() {
       {"many_chunks_R2", 2, 4096, 8, 256, Gen::zipf, 64},
       {"last_expert_R2", 2, 700, 3, 8, Gen::last_expert, 64},
       {"repeated_R1", 1, 129, 4, 4, Gen::repeated, 64},
+      {"masked_R2", 2, 600, 8, 32, Gen::masked, 64},
       {"wide_El_R1", 1, 512, 8, 4096, Gen::uniform, 64},
       {"widest_El_R1", 1, 64, 2, 12288, Gen::uniform, 64},
       {"R8", 8, 257, 4, 64, Gen::zipf, 64},

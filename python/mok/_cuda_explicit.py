@@ -72,24 +72,25 @@ def build_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, topk_idx: Tensor
                 torch.zeros(R, dtype=i64, device=device), torch.zeros(El, dtype=i32, device=device),
                 torch.empty(0, k, dtype=i32, device=device))
     fused = gpu.fused
-    cap = fused.row_capacity
+    cap, T = fused.row_capacity, topk_idx.shape[0]
+    # The int32 fields in one allocation, each at a 16-byte boundary; the counts in another (few
+    # launches: a build_schedule is host-bound).
+    sizes = (El + 1, El, cap, cap, T * k)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + (n + 3) // 4 * 4)
     with torch.cuda.device(device):
-        gpu.topk_idx.copy_(topk_idx)
-        routing = gpu.topk_idx.clone()
-        offsets = torch.empty(El + 1, dtype=i32, device=device)
-        rows = torch.empty(El, dtype=i32, device=device)
-        src_rank = torch.full((cap,), -1, dtype=i32, device=device)
-        src_slot = torch.full((cap,), -1, dtype=i32, device=device)
-        fused.schedule(gpu.bases, offsets, rows, src_rank, src_slot)
-        # Rows sent to (pulled by) each rank and received from (pulled from) each: counted on the
-        # device, empty slots and bad ids in an extra bin (bad ids are reported by the call).
-        E = ws.num_experts
-        dest = torch.where((routing >= 0) & (routing < E), routing // El, R).flatten().long()
-        send_counts = torch.zeros(R + 1, dtype=i64, device=device).index_add_(0, dest, torch.ones_like(dest))[:R]
-        src = torch.where(src_rank >= 0, src_rank, R).long()
-        recv_counts = torch.zeros(R + 1, dtype=i64, device=device).index_add_(0, src, torch.ones_like(src))[:R]
+        ints = torch.empty(starts[-1], dtype=i32, device=device)
+        offsets, rows, src_rank, src_slot, flat = (ints[a:a + n] for a, n in zip(starts, sizes))
+        routing = flat.view(T, k)
+        routing.copy_(topk_idx)
+        gpu.topk_idx.copy_(routing)
+        counts = torch.empty(2, R, dtype=i64, device=device)
+        send_counts, recv_counts = counts[0], counts[1]
+        # The device counts the rows sent to (pulled by) each rank and received from (pulled from) each.
+        fused.schedule(gpu.bases, offsets, rows, src_rank, src_slot, send_counts, recv_counts)
     none = torch.empty(0, dtype=i64, device=device)
-    return offsets, src_rank, src_slot, none, recv_counts, none.clone(), send_counts, rows, routing
+    return offsets, src_rank, src_slot, none, recv_counts, none, send_counts, rows, routing
 
 
 def check_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any) -> None:

@@ -86,8 +86,8 @@ def _lib() -> ctypes.CDLL:
     lib.mok_cuda_forward_run_fp8.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [
         ctypes.c_void_p] * 15 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_schedule_run.restype = ctypes.c_int
-    # handle, bases, offsets, rows, src_rank, src_slot, the stream, then the error buffer.
-    lib.mok_cuda_schedule_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 5 + [
+    # handle, bases, offsets, rows, src_rank, src_slot, send_counts, recv_counts, the stream, then the error buffer.
+    lib.mok_cuda_schedule_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 7 + [
         ctypes.c_char_p, ctypes.c_int]
     lib.mok_cuda_forward_row_capacity.restype = ctypes.c_int64
     lib.mok_cuda_forward_row_capacity.argtypes = [ctypes.c_void_p]
@@ -640,19 +640,26 @@ class FusedForward:
         _raise(rc, error)
 
     def schedule(self, bases: list[int], offsets: torch.Tensor, rows: torch.Tensor, src_rank: torch.Tensor,
-                 src_slot: torch.Tensor) -> None:
+                 src_slot: torch.Tensor, send_counts: torch.Tensor | None = None,
+                 recv_counts: torch.Tensor | None = None) -> None:
         """This rank's schedule alone (keep_rows), one call of the sequence every rank makes: every
         rank has written its topk_idx into its symmetric buffer. offsets [El+1], rows [El] (each
-        expert's real rows), src_rank and src_slot [row capacity], int32: a context's schedule that
-        a :meth:`run` with ``schedule_given`` runs on. Asynchronous."""
-        El, cap, i32 = self.local_experts, self.row_capacity, torch.int32
+        expert's real rows), src_rank and src_slot [row capacity] (-1 past the real rows), int32: a
+        context's schedule that a :meth:`run` with ``schedule_given`` runs on. Optional, int64
+        [ranks]: send_counts (this rank's slots routed to each rank's experts) and recv_counts (the
+        schedule's rows pulled from each rank). Asynchronous."""
+        El, cap, R, i32, i64 = self.local_experts, self.row_capacity, self.ranks, torch.int32, torch.int64
         self._check_bases(bases, offsets.device)
+        counts = tuple((name, t, (R,), i64) for name, t in (("send_counts", send_counts), ("recv_counts", recv_counts))
+                       if t is not None)
         _check_tensors((("offsets", offsets, (El + 1,), i32), ("rows", rows, (El,), i32),
-                        ("src_rank", src_rank, (cap,), i32), ("src_slot", src_slot, (cap,), i32)), device=offsets.device)
+                        ("src_rank", src_rank, (cap,), i32), ("src_slot", src_slot, (cap,), i32)) + counts,
+                       device=offsets.device)
         table = (ctypes.c_int64 * self.ranks)(*bases)
         error = ctypes.create_string_buffer(512)
         rc = _lib().mok_cuda_schedule_run(self._handle, table, _ptr(offsets), _ptr(rows), _ptr(src_rank),
-                                          _ptr(src_slot), torch.cuda.current_stream().cuda_stream, error, len(error))
+                                          _ptr(src_slot), _ptr(send_counts), _ptr(recv_counts),
+                                          torch.cuda.current_stream().cuda_stream, error, len(error))
         _raise(rc, error)
 
     def backward(self, bases: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,

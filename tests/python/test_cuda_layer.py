@@ -353,7 +353,7 @@ def test_explicit_passes_give_the_layers_bits(precision: str | None, shared_inte
     assert torch.equal(s.row_src_rank.cpu()[real], cpu.row_src_rank)
     padding = torch.ones(s.row_src_slot.shape[0], dtype=torch.bool)
     padding[real] = False
-    assert bool((s.row_src_slot.cpu()[padding] == -1).all())
+    assert bool((s.row_src_slot.cpu()[padding] == -1).all()) and bool((s.row_src_rank.cpu()[padding] == -1).all())
     # The recomputed context: the forward's on every real row (padding rows are unspecified).
     for name in ("x_rows", "gate_up", "hidden"):
         a, b = getattr(ctx, name), getattr(rebuilt, name)

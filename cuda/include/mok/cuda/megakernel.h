@@ -288,9 +288,13 @@ void moe_forward(const MoeForwardArgs& args, cudaStream_t stream);
 // Reads only the shapes (hidden, intermediate and swiglu_limit too: the call word), the rank,
 // layout and bases, the schedule's arrays, workspace and routing status, status, epoch (or
 // epoch_counter) and timeout of args. A later moe_forward with schedule_given
-// runs on it; a bad expert id is reported as moe_forward reports it.
+// runs on it; a bad expert id is reported as moe_forward reports it. src_rank and src_slot are
+// -1 past expert_offsets[El] too (the whole arrays are set first). Optional, int64 [ranks] each
+// (routing.h: schedule_totals): send_counts, this rank's slots routed to each rank's experts, and
+// recv_counts, the schedule's rows pulled from each rank.
 std::string can_implement_schedule(const MoeForwardArgs& args);
-void moe_schedule(const MoeForwardArgs& args, cudaStream_t stream);
+void moe_schedule(const MoeForwardArgs& args, cudaStream_t stream, int64_t* send_counts = nullptr,
+                  int64_t* recv_counts = nullptr);
 
 // "" for a clean status, else what failed, e.g. "rank 0 timed out waiting at the start barrier for
 // rank 1 (saw epoch 0, wanted 3)" or the expert kernels' status message. The epoch named is the one

@@ -102,6 +102,12 @@ std::string can_implement(const ScheduleArgs& args);
 // Four small kernels on `stream`: count per (expert, chunk), prefix over chunks, expert offsets,
 // placement and padding. Throws std::invalid_argument when can_implement fails.
 void build_schedule(const ScheduleArgs& args, cudaStream_t stream);
+// Per-rank totals of the schedule build_schedule(args) made last on `stream` (it reads that call's
+// workspace and expert_rows, and args.dest_rank's topk_idx), one small kernel, no host sync:
+// recv_counts[s] = rows of the schedule pulled from rank s, send_counts[d] = slots of dest_rank's
+// topk_idx routed to rank d's experts (empty slots and bad ids in neither). int64 [ranks] each;
+// either may be null. Integer sums: the same bits every run. A given-up call's totals are zeros.
+void schedule_totals(const ScheduleArgs& args, int64_t* send_counts, int64_t* recv_counts, cudaStream_t stream);
 
 // ---- What dispatch and combine read: a schedule on the device ----
 struct ScheduleView {

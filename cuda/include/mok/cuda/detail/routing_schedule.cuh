@@ -179,6 +179,46 @@ __global__ void schedule_offsets_kernel(const __grid_constant__ ScheduleParams p
   if (threadIdx.x == 0) p.expert_offsets[p.local_experts] = carry;
 }
 
+// One block (kTotalsThreads): the schedule's per-rank totals (routing.h: schedule_totals), after the
+// scan kernel (counts[e][c] are exclusive prefixes in chunk order, expert_rows[e] the totals).
+inline constexpr int kTotalsThreads = 1024;
+__global__ void schedule_totals_kernel(const __grid_constant__ ScheduleParams p, int64_t* send_counts,
+                                       int64_t* recv_counts) {
+  __shared__ int32_t sent[kMaxRanks];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.ranks, El = p.local_experts;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) sent[d] = 0;
+  __syncthreads();
+  if (send_counts != nullptr && !schedule_abandoned(p)) {
+    const int32_t* idx = p.topk_idx[p.first_expert / El];
+    for (int base = 0; base < p.slots; base += blockDim.x) {  // the same trip count on every lane
+      const int slot = base + static_cast<int>(threadIdx.x);
+      const int32_t v = slot < p.slots ? idx[slot] : kNoExpert;
+      const int d = v >= 0 && v < p.num_experts ? v / El : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, d);  // one shared atomic per rank and warp
+      if (d >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&sent[d], __popc(peers));
+    }
+  }
+  __syncthreads();
+  if (send_counts != nullptr)
+    for (int d = threadIdx.x; d < R; d += blockDim.x) send_counts[d] = sent[d];
+  if (recv_counts == nullptr) return;
+  // Rank s's rows of expert e: prefix at s's first chunk to prefix at s + 1's (expert_rows[e] past the last).
+  for (int s = warp; s < R; s += blockDim.x / 32) {
+    int64_t rows = 0;
+    if (p.chunks_per_rank > 0) {
+      const int first = s * p.chunks_per_rank, next = first + p.chunks_per_rank;
+      for (int e = lane; e < El; e += 32) {
+        const int32_t* c = p.counts + static_cast<int64_t>(e) * p.num_chunks;
+        rows += (next < p.num_chunks ? c[next] : p.expert_rows[e]) - c[first];
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) rows += __shfl_xor_sync(0xffffffffu, rows, m);
+    if (lane == 0) recv_counts[s] = rows;
+  }
+}
+
 // Warps [0, N) place the rows of chunk = warp; warps [N, N + El) write expert (warp - N)'s padding.
 // Shared memory: one [El] cursor table per warp.
 __global__ void schedule_place_kernel(const __grid_constant__ ScheduleParams p) {
