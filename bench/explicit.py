@@ -3,11 +3,13 @@ timed in one process, the two taking turns.
 
 - ``moe``: ``mok.moe`` forward and backward through autograd (the forward builds its schedule);
 - ``explicit``: ``mok.build_schedule`` (a call of its own) -> ``mok.forward`` -> ``mok.backward``;
-- ``schedule``: ``mok.build_schedule`` alone.
+- ``schedule``: ``mok.build_schedule`` alone;
+- ``moe_forward``: ``mok.moe``'s training forward alone (its context dropped).
 
 Printed: median milliseconds over the timed iterations (the harness's timer, ``bench.runtime.measure``:
 CUDA events around each iteration, launched back to back), and the bits of y and dx of the two paths
-compared. ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
+compared; and each one's host time (the CPU's launch time of one call, the device held busy meanwhile:
+above the device time, the path is host-bound). ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
 
     python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192 [--profile DIR]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +29,20 @@ from mok import testing
 
 from .presets import get_preset
 from .runtime import GPU_TIMING, Runtime, init_runtime, measure
+
+
+def host_ms(fn: Callable[[], None], iters: int = 10) -> float:
+    """Median host milliseconds of one ``fn()`` while the device is held busy by a sleep kernel:
+    the time the CPU takes to launch it. A call that waits for the device shows the sleep (~0.1 s)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of device cycles
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def profile(fn: Callable[[], None], path: Path, label: str, iters: int = 5) -> None:
@@ -74,23 +91,28 @@ def main() -> None:
         g = mok.backward(ws, s, ctx, dy, p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)
         out["explicit"], out["explicit dx"] = y, g.d_x
 
+    def moe_forward() -> None:  # the training forward alone (its context dropped)
+        out["moe forward"] = mok.moe(x, p.topk_idx, w, *weights).detach()
+
     def schedule() -> None:
         mok.build_schedule(ws, p.topk_idx)
 
-    fns = {"moe": moe, "explicit": explicit, "schedule": schedule}
+    fns = {"moe": moe, "explicit": explicit, "schedule": schedule, "moe_forward": moe_forward}
     for fn in fns.values():  # warm-up: workspaces, kernels
         fn()
     results: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(3):  # turns, so that clocks treat them alike
         for name, fn in fns.items():
             results[name].append(measure(rt, lambda _arg, fn=fn: fn(), GPU_TIMING).median_ms)
+    host = {name: host_ms(fn) for name, fn in fns.items()}
     ws.check()
     if args.profile is not None:
         for name, fn in fns.items():
             profile(fn, args.profile / f"explicit_{args.preset}_{T}_{name}.txt", f"{args.preset} {T} tokens: {name}")
     print(f"{args.preset}, {T} tokens, one GPU, the harness's timer x 3 turns (median of the turns' medians)")
     for name, values in results.items():
-        print(f"  {name:9s} {statistics.median(values):8.3f} ms   turns {', '.join(f'{v:.3f}' for v in values)}")
+        print(f"  {name:11s} {statistics.median(values):8.3f} ms   turns {', '.join(f'{v:.3f}' for v in values)}"
+              f"   host {host[name]:.3f} ms")
     print(f"  explicit / moe: {statistics.median(results['explicit']) / statistics.median(results['moe']):.3f}")
     print(f"  y bitwise equal: {torch.equal(out['moe'], out['explicit'])}; "
           f"dx bitwise equal: {torch.equal(out['moe dx'], out['explicit dx'])}")
