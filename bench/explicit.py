@@ -8,8 +8,8 @@ timed in one process, the two taking turns.
 
 Printed: median milliseconds over the timed iterations (the harness's timer, ``bench.runtime.measure``:
 CUDA events around each iteration, launched back to back), and the bits of y and dx of the two paths
-compared; and each one's host time (the CPU's launch time of one call, the device held busy meanwhile:
-above the device time, the path is host-bound). ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
+compared; and each one's host time (the CPU's time to launch one call in steady state, the device held busy
+meanwhile: near the device time, the path is host-bound). ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
 
     python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192 [--profile DIR]
 """
@@ -31,16 +31,18 @@ from .presets import get_preset
 from .runtime import GPU_TIMING, Runtime, init_runtime, measure
 
 
-def host_ms(fn: Callable[[], None], iters: int = 10) -> float:
-    """Median host milliseconds of one ``fn()`` while the device is held busy by a sleep kernel:
-    the time the CPU takes to launch it. A call that waits for the device shows the sleep (~0.1 s)."""
+def host_ms(fn: Callable[[], None], calls: int = 5, rounds: int = 3) -> float:
+    """Host milliseconds of one ``fn()`` in steady state: ``calls`` calls launched back to back while
+    the device is held busy by a sleep kernel (so the CPU never waits for it), their time divided
+    by ``calls``; the median of ``rounds``. A call that waits for the device shows the sleep (~0.2 s)."""
     times = []
-    for _ in range(iters):
+    for _ in range(rounds):
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # about 0.1 s of device cycles
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of device cycles
         start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
     torch.cuda.synchronize()
     return statistics.median(times)
 

@@ -232,7 +232,8 @@ Totals host_totals(const std::vector<std::vector<int32_t>>& idx, const HostSched
   Totals t{std::vector<int64_t>(R, 0), std::vector<int64_t>(R, 0)};
   for (const int32_t v : idx[dest])
     if (v >= 0 && v < E) ++t.send[v / El];
-  for (const int32_t s : schedule.src_rank) ++t.recv[s];
+  for (const int32_t s : schedule.src_rank)
+    if (s >= 0) ++t.recv[s];  // -1: a padding row
   return t;
 }
 
