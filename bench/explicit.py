@@ -9,7 +9,8 @@ timed in one process, the two taking turns.
 Printed: median milliseconds over the timed iterations (the harness's timer, ``bench.runtime.measure``:
 CUDA events around each iteration, launched back to back), and the bits of y and dx of the two paths
 compared; and each one's host time (the CPU's time to launch one call in steady state, the device held busy
-meanwhile: near the device time, the path is host-bound). ``--profile DIR`` also writes each one's kernels by device time (torch profiler).
+meanwhile: near the device time, the path is host-bound). ``--profile DIR`` also writes each one's kernels by device time (torch profiler) and its
+host time by Python function (cProfile).
 
     python -m bench.explicit --preset qwen3-30b-a3b --tokens 8192 [--profile DIR]
 """
@@ -45,6 +46,28 @@ def host_ms(fn: Callable[[], None], calls: int = 5, rounds: int = 3) -> float:
         times.append((time.perf_counter() - start) * 1e3 / calls)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def host_profile(fn: Callable[[], None], path: Path, label: str, calls: int = 20) -> None:
+    """Where the host's time of ``calls`` calls goes (cProfile, the autograd backward on this thread),
+    launched behind a sleep kernel so that the CPU never waits for the device."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{label}: {calls} calls, host time by function (cProfile)\n{text.getvalue()}\n")
 
 
 def profile(fn: Callable[[], None], path: Path, label: str, iters: int = 5) -> None:
@@ -111,6 +134,7 @@ def main() -> None:
     if args.profile is not None:
         for name, fn in fns.items():
             profile(fn, args.profile / f"explicit_{args.preset}_{T}_{name}.txt", f"{args.preset} {T} tokens: {name}")
+            host_profile(fn, args.profile / f"host_{args.preset}_{T}_{name}.txt", f"{args.preset} {T} tokens: {name}")
     print(f"{args.preset}, {T} tokens, one GPU, the harness's timer x 3 turns (median of the turns' medians)")
     for name, values in results.items():
         print(f"  {name:11s} {statistics.median(values):8.3f} ms   turns {', '.join(f'{v:.3f}' for v in values)}"
