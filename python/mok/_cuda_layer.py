@@ -323,7 +323,7 @@ class _FusedMoe(torch.autograd.Function):
                 ws: _Workspace, save_context: bool) -> Tensor:
         y, context, kept, operands, shared_operands = _training_forward(
             ws, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, save_context)
-        ctx.ws, ctx.context, ctx.swiglu_limit = ws, context, swiglu_limit
+        ctx.ws, ctx.replay, ctx.swiglu_limit = ws, context.replay, swiglu_limit
         # The weights' e4m3 operands stay with the call (a weight changed in place in between fails
         # autograd's saved-tensor check, so they stay the weights'; inside a CUDA graph the
         # forward's captured quantization is the one the backward reads).
@@ -332,25 +332,25 @@ class _FusedMoe(torch.autograd.Function):
         # shared expert's rows hold it.
         # The backward writes this call's topk_idx into the buffer again (another call may have
         # replaced it): a private copy, so the caller may reuse its routing tensor in between.
+        # The context's rows and schedule are saved tensors too, so that saved-tensor hooks see
+        # them: activation checkpointing drops them after the forward (and its recompute makes
+        # them again), save_on_cpu moves them; autograd frees them after the backward unless the
+        # graph is retained (the backward only reads them: a second backward gives the first's bits).
         ctx.save_for_backward(ws.topk_idx.clone(), topk_w, w_gate, w_up, w_down,
-                              x if context.replay or ws.fused.fp8 else None, s_gate, s_up, s_down, *kept)
+                              x if context.replay or ws.fused.fp8 else None, s_gate, s_up, s_down, context.x_rows,
+                              context.h, context.gu, context.offsets, context.src_rank, context.src_slot, *kept)
         ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
-        topk_idx, topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, *shared_rows = ctx.saved_tensors
-        if ctx.context is None:
-            raise RuntimeError(
-                "mok: this MoE call's backward already ran and freed the rows its forward kept; a second "
-                "backward through the same graph (retain_graph=True) needs save_context=False, which keeps "
-                "only x and the schedule and replays the rows in every backward")
+        (topk_idx, topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, x_rows, h, gu, offsets, src_rank, src_slot,
+         *shared_rows) = ctx.saved_tensors
+        context = kernels.Context.of(ctx.replay, x_rows, h, gu, offsets, src_rank, src_slot)
         with torch.cuda.device(topk_w.device):
             dx, d_topk_w, *weight_grads = _training_backward(
-                ctx.ws, ctx.context, dy, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
+                ctx.ws, context, dy, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
                 tuple(shared_rows), ctx.swiglu_limit, ctx.fp8_operands, ctx.shared_fp8_operands)
-        if not ctx.context.replay:  # the kept rows are freed; a replay context (the schedule) serves another backward
-            ctx.context = None
         return (dx, None, d_topk_w, *weight_grads, None, None, None)
 
 

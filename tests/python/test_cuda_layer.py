@@ -75,23 +75,68 @@ def test_recomputed_context_and_inference_give_the_same_bits() -> None:
     assert torch.equal(kept[0], inference), "the no_grad forward differs from the training forward"
 
 
-def test_a_second_backward_needs_save_context_false() -> None:
-    """retain_graph=True: the kept rows are freed by the first backward, so a second backward
-    raises a clear error; with save_context=False it replays them and gives the first's gradients."""
+def test_a_second_backward_through_a_retained_graph_gives_the_first_gradients() -> None:
+    """retain_graph=True: the context stays with the graph (the backward only reads it), so a
+    second backward gives the first's gradients bit for bit, with kept rows and with replayed ones."""
     p = testing.random_problem(96, 8, 256, 128, 2, seed=31, device="cuda")
     dy = torch.randn(96, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(torch.bfloat16)
     for save_context in (True, False):
         x = p.x.detach().clone().requires_grad_(True)
-        y = mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, p.w_down, save_context=save_context)
+        w_down = p.w_down.detach().clone().requires_grad_(True)
+        y = mok.moe(x, p.topk_idx, p.topk_w, p.w_gate, p.w_up, w_down, save_context=save_context)
         y.backward(dy, retain_graph=True)
-        first = x.grad.clone()
-        x.grad = None
-        if save_context:
-            with pytest.raises(RuntimeError, match="second backward through the same graph"):
-                y.backward(dy)
+        first = (x.grad.clone(), w_down.grad.clone())
+        x.grad = w_down.grad = None
+        _poison_free_memory()
+        y.backward(dy)
+        assert torch.equal(x.grad, first[0]) and torch.equal(w_down.grad, first[1]), \
+            f"save_context={save_context}: the second backward's gradients differ from the first's"
+    from mok import _cuda_layer
+
+    _cuda_layer.check()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_activation_checkpointing_and_saved_tensor_hooks_give_the_same_bits(precision: str) -> None:
+    """The layer inside torch.utils.checkpoint (non-reentrant: the context is dropped after the
+    forward and made again in the backward; reentrant: a no_grad forward, then a training one) and
+    under save_on_cpu gives the plain call's y and gradients bit for bit; non-reentrant, the
+    forward keeps none of its routed rows."""
+    from torch.utils.checkpoint import checkpoint
+
+    p = testing.random_problem(300, 16, 512, 256, 4, shared_intermediate=128, routing="zipf", seed=41, device="cuda")
+    dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
+    config = mok.MoeConfig(precision=precision)
+
+    def run(mode: str) -> tuple[list[torch.Tensor], int]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+        shared = [t.detach().clone().requires_grad_(True) for t in p.shared]
+
+        def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return mok.moe(x, p.topk_idx, w, *leaves[2:], shared, config=config)
+
+        _poison_free_memory()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        if mode == "plain":
+            y = layer(leaves[0], leaves[1])
+        elif mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = layer(leaves[0], leaves[1])
         else:
-            y.backward(dy)
-            assert torch.equal(x.grad, first), "the second backward's dx differs from the first's"
+            y = checkpoint(layer, leaves[0], leaves[1], use_reentrant=mode == "reentrant")
+        kept = torch.cuda.memory_allocated() - before
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves + shared], kept
+
+    plain, kept_plain = run("plain")
+    names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
+    for mode in ("non_reentrant", "reentrant", "save_on_cpu"):
+        got, kept = run(mode)
+        for name, a, b in zip(names, plain, got):
+            assert b is not None and torch.equal(a, b), f"{mode}: {name} differs from the plain call's"
+        if mode == "non_reentrant":  # the routed rows (at least R*T*k rows of h) are not kept
+            assert kept_plain - kept >= 300 * 4 * 256 * 2, f"checkpointed forward kept {kept} bytes, plain {kept_plain}"
     from mok import _cuda_layer
 
     _cuda_layer.check()

@@ -238,3 +238,35 @@ def test_workspace_plan_and_cache() -> None:
     assert mok.get_workspace(None, None, **kwargs) is not ws
     schedule = mok.build_schedule(ws, torch.zeros(64, 2, dtype=torch.int64))
     assert schedule.num_rows == 128 and schedule.tokens_per_expert.tolist() == [128] + [0] * 7
+
+
+@pytest.mark.parametrize("save_context", [True, False])
+def test_activation_checkpointing_gives_the_same_bits(save_context: bool) -> None:
+    """The layer inside torch.utils.checkpoint (non-reentrant and reentrant) and under save_on_cpu
+    gives the plain call's y and gradients bit for bit (the GPU twin: test_cuda_layer.py)."""
+    from torch.utils.checkpoint import checkpoint
+
+    p = testing.random_problem(64, 8, 32, 16, 2, shared_intermediate=16, routing="zipf", seed=5)
+    dy = torch.randn(64, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+
+    def run(mode: str) -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in (p.x, p.topk_w, p.w_gate, p.w_up, p.w_down)]
+        shared = [t.detach().clone().requires_grad_(True) for t in p.shared]
+
+        def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return mok.moe(x, p.topk_idx, w, *leaves[2:], shared, save_context=save_context)
+
+        if mode == "plain":
+            y = layer(leaves[0], leaves[1])
+        elif mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = layer(leaves[0], leaves[1])
+        else:
+            y = checkpoint(layer, leaves[0], leaves[1], use_reentrant=mode == "reentrant")
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves + shared]
+
+    plain = run("plain")
+    for mode in ("non_reentrant", "reentrant", "save_on_cpu"):
+        for i, (a, b) in enumerate(zip(plain, run(mode))):
+            assert b is not None and torch.equal(a, b), f"{mode}: output {i} differs from the plain call's"
