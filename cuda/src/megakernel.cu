@@ -932,6 +932,21 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   // fp8_dgrad: the same backward with its data gradients on e4m3
   const ExpertsDgradFp8Args e8 = fp8_dgrad_args(e, a.w_down_t_codes, a.w_down_t_scales, a.w_gate_up_t_codes,
                                                 a.w_gate_up_t_scales, a.fp8_dgrad_scratch);
+  // The dx GEMM pushes its rows into their (token, j) slots on the source ranks (the scatter
+  // fused into its epilogue: no dx_rows round trip through HBM); fp8_dgrad's dx GEMM writes
+  // dx_rows and scatter_rows copies them. MOK_EXPERIMENT_DX_SCATTER=kernel (read per call; the
+  // timing tool's A/B) takes the scatter kernel for bf16 too. The same bits either way.
+  static_assert(detail::kMaxPushRanks == kMaxRanks, "PushRowsEpilogue's table holds every rank");
+  const char* scatter_env = std::getenv("MOK_EXPERIMENT_DX_SCATTER");
+  const bool push_dx = !(scatter_env != nullptr && std::strcmp(scatter_env, "kernel") == 0);
+  DxPush push;
+  push.ranks = R;
+  push.slots = shape.slots();
+  push.slots_of = dx_table;
+  push.src_rank = view.src_rank;
+  push.src_slot = view.src_slot;
+  push.given_up_words = view.given_up_words;
+  if (push_dx) e.dx_push = &push;
   ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks
   sc.shape = shape;
   sc.hidden = H;
@@ -1020,7 +1035,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     } else {
       experts_backward(e, stream);
     }
-    scatter_rows(sc, stream);
+    if (a.fp8_dgrad || !push_dx) scatter_rows(sc, stream);
     scatter_row_values(sv, stream);
     // 5. Tell every source its slots from this rank are written; wait for every rank's.
     barrier(R, status, detail::kWaitGrads, true,

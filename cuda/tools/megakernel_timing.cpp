@@ -6,7 +6,8 @@
 // its rows), in the same four variants and against the backward's stage kernels; with
 // MOK_TIMING_DW=bf16 its weight gradients are bf16 (the layer's for bf16 weights), else fp32;
 // MOK_MK_TIMING_BACKWARD_AB=<skips>: also the default against MOK_EXPERIMENT_SKIP=<skips> (timing
-// builds, -DMOK_EXPERIMENTS), e.g. "turns".
+// builds, -DMOK_EXPERIMENTS), e.g. "turns". MOK_MK_TIMING_STAGES_AB=1: also the stage kernels with
+// the dx scatter fused into the dx GEMM against the scatter kernel (MOK_EXPERIMENT_DX_SCATTER=kernel).
 // MOK_MK_TIMING_FP8=1: also the block-scaled fp8 forward (MoeForwardArgs::fp8), in rounds with the
 // bf16 one, and the fp8 experts' GEMMs alone (experts_forward_fp8) on rank 0's rows.
 //   megakernel_timing [H I E k T R minibatch comm]...   (0 = the planner's; defaults: a few presets)
@@ -231,6 +232,26 @@ void run(const Shape& s) {
       std::printf("  backward A/B: default %8.3f %8.3f %8.3f %8.3f | MOK_EXPERIMENT_SKIP=%s %8.3f %8.3f %8.3f %8.3f ms (sorted)\n",
                   with_default[0], with_default[1], with_default[2], with_default[3], ab, with_skip[0], with_skip[1],
                   with_skip[2], with_skip[3]);
+    }
+    // MOK_MK_TIMING_STAGES_AB=1: the stage kernels with the dx scatter fused into the dx GEMM (the
+    // default) against the scatter kernel (MOK_EXPERIMENT_DX_SCATTER=kernel), 4 rounds alternating.
+    if (const char* ab = std::getenv("MOK_MK_TIMING_STAGES_AB"); ab != nullptr && std::string(ab) == "1") {
+      stages = true;
+      std::vector<float> pushed, kernel;
+      for (int round = 0; round < 4; ++round) {
+        for (int i = 0; i < 2; ++i) {
+          const bool scatter = (i + round) % 2 == 1;
+          setenv("MOK_EXPERIMENT_DX_SCATTER", scatter ? "kernel" : "", 1);
+          (scatter ? kernel : pushed).push_back(time_ms(fused_backward, 10, /*warmup=*/2));
+        }
+      }
+      unsetenv("MOK_EXPERIMENT_DX_SCATTER");
+      stages = false;
+      std::sort(pushed.begin(), pushed.end());
+      std::sort(kernel.begin(), kernel.end());
+      std::printf("  stage kernels A/B: dx pushed by its GEMM %8.3f %8.3f %8.3f %8.3f | scatter kernel %8.3f %8.3f "
+                  "%8.3f %8.3f ms (sorted)\n",
+                  pushed[0], pushed[1], pushed[2], pushed[3], kernel[0], kernel[1], kernel[2], kernel[3]);
     }
     int32_t words[mok::cuda::kFailureWords];
     CHECK_CUDA(cudaMemcpy(words, ranks[0].buffers->status(), sizeof words, cudaMemcpyDeviceToHost));

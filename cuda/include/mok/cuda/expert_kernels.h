@@ -55,6 +55,18 @@ void down_projection(const ExpertsForwardArgs& args, cudaStream_t stream);
 // tile, so the bits are as deterministic as fp32's).
 enum class GradType : int32_t { fp32 = 0, bf16 = 1 };
 
+// Where the backward's dx rows go instead of dx (the layer's stage backward: the scatter into the
+// source ranks' (token, j) slots, fused into the dx GEMM's epilogue): row r of the grouped rows to
+// slots_of[src_rank[r]] + src_slot[r] * hidden; padding rows (src_rank -1) are not written.
+struct DxPush {
+  int64_t ranks = 0;                        // R, in [1, 128]
+  int64_t slots = 0;                        // T*k of each rank, < 2^24
+  void* const* slots_of = nullptr;          // host array of R device pointers (peers' mapped), each [slots, H] bf16
+  const int32_t* src_rank = nullptr;        // device [row_capacity]
+  const int32_t* src_slot = nullptr;        // device [row_capacity]
+  const int32_t* given_up_words = nullptr;  // optional: a call given up (megakernel.h's status) pushes nothing
+};
+
 struct ExpertsBackwardArgs {
   int64_t row_capacity = 0;
   int64_t hidden = 0;
@@ -72,7 +84,8 @@ struct ExpertsBackwardArgs {
   void* dgu = nullptr;               // [row_capacity, 2I] bf16 scratch: dg | du
   void* hw = nullptr;                // [row_capacity, I] bf16 scratch: w * h
   float* dw_partial = nullptr;       // [row_capacity, dw_partial_blocks(I)] fp32 scratch
-  void* dx = nullptr;                // [row_capacity, H] bf16 out
+  void* dx = nullptr;                // [row_capacity, H] bf16 out (unused with dx_push)
+  const DxPush* dx_push = nullptr;   // optional: the dx rows pushed into their slots instead
   float* d_row_weight = nullptr;     // [row_capacity] out
   void* d_w_gate = nullptr;          // [El, I, H] d_w_type out (overwritten; zero for empty experts)
   void* d_w_up = nullptr;            // [El, I, H] d_w_type out

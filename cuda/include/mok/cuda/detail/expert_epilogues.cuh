@@ -15,6 +15,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "mok/cuda/detail/call_status.cuh"
 #include "mok/cuda/detail/fp8_quantize.cuh"
 #include "mok/cuda/detail/gemm_config.cuh"
 #include "mok/cuda/detail/grouped_tile_scheduler.cuh"
@@ -264,6 +265,92 @@ struct StoreEpilogueOf {
         return __floats2bfloat162_rn(acc(i), acc(i + 1));
       });
     });
+  }
+};
+
+// ---- Rows pushed into their (token, j) slots (the megakernels' combine and dx, the stage dx) ----
+// A tile's rows go to the slots its Target names (Target: dest(rank), src_rank(), src_slot(),
+// ranks(), slots(), width(), skips_push()): row r of the grouped rows to dest(src_rank[r]) +
+// src_slot[r] * width, a peer's slots by their mapped address; padding rows (-1) are not written.
+// Two halves of 128 columns, each through both staging tiles (64 columns each): the accumulator
+// values of a half are dead once written, which keeps the read-back within the register budget.
+// Each thread of the two consumer warpgroups then stores 16-byte pieces of 4 rows
+// (thread / 8 + 32 i) at columns 8 * (thread % 8) of both tiles.
+// kHalves: the tile's 128-column halves (2: the bf16 down tile's 256 columns; 1: the fp8 one's 128).
+template <int kHalves = 2, class Target, class Acc, class Coords>
+__device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc, const Coords& coords, int thread,
+                          bfloat16_t* staging) {
+  const int piece = thread % 8;
+  // Where the thread's 4 rows go, loaded once per tile and before the first staging writes (ncu:
+  // the stores waited on these loads, issued per half right before them), one register a row:
+  // rank << 24 | slot (ranks <= 128, slots = T*k < 2^24: the launcher's checks), -1 for padding.
+  int where[4];
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const int row = row_block * GemmConfig::kBlockM + thread / 8 + 32 * i;
+    const int rank = p.src_rank()[row], slot = p.src_slot()[row];
+    where[i] = rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots() ? -1 : rank << 24 | slot;
+  }
+  if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
+  static_for<kHalves>([&](auto half_) {
+    constexpr int half = decltype(half_)::value;
+    consumers_sync();  // (half 0: the staging tiles are free; half 1: nobody reads them any more)
+    static_for<2>([&](auto b_) {
+      constexpr int c = 2 * half + decltype(b_)::value;  // 64-column chunk of the tile
+      Tensor sC = make_tensor(make_smem_ptr(staging + decltype(b_)::value * kStagingElems), SmemLayoutEpilogue{});
+      static_for<16>([&](auto j) {  // the thread's 32 values of columns [64c, 64c + 64)
+        constexpr int i = 32 * c + 2 * decltype(j)::value;
+        const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 64 * c;
+        store_shared(&sC(r, col), __floats2bfloat162_rn(acc(i), acc(i + 1)));
+      });
+    });
+    consumers_sync();
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = thread / 8 + 32 * i;
+      if (where[i] < 0) continue;  // padding row
+      __nv_bfloat16* dst = p.dest(where[i] >> 24) + int64_t(where[i] & 0xffffff) * p.width();
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        const int col = n_block * (128 * kHalves) + 64 * (2 * half + b) + 8 * piece;
+        Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
+        if (col < p.width() && !p.skips_push())
+          *reinterpret_cast<uint4*>(dst + col) = load_shared_16(&sC(r, 8 * piece));
+      }
+    }
+  });
+}
+
+// The stage backward's dx GEMM with the scatter fused (ExpertsBackwardArgs::dx_push): every dx row
+// goes straight into its (token, j) slot on its source rank, as scatter_rows would copy it, and no
+// dx row is written. A call given up (given_up_words, call_status.cuh) pushes nothing: a peer's
+// buffer may then be laid out otherwise.
+inline constexpr int kMaxPushRanks = 128;  // routing.h: kMaxRanks (checked where it is filled)
+struct PushRowsEpilogue {
+  struct Params {
+    __nv_bfloat16* dest[kMaxPushRanks];  // each rank's [slots, width] bf16 slots
+    const int32_t* src_rank;             // [rows]: -1 for padding rows
+    const int32_t* src_slot;
+    const int32_t* given_up_words;       // optional
+    int32_t ranks, slots, width;
+  };
+  struct Target {
+    const Params& p;
+    __device__ __nv_bfloat16* dest(int rank) const { return p.dest[rank]; }
+    __device__ const int32_t* src_rank() const { return p.src_rank; }
+    __device__ const int32_t* src_slot() const { return p.src_slot; }
+    __device__ int ranks() const { return p.ranks; }
+    __device__ int slots() const { return p.slots; }
+    __device__ int width() const { return p.width; }
+    __device__ bool skips_push() const { return false; }
+  };
+
+  template <class Acc, class Coords>
+  static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
+                               bfloat16_t* staging) {
+    // (Written before the launch: every thread of the CTA reads the same value.)
+    if (p.given_up_words != nullptr && call_given_up(p.given_up_words)) return;
+    push_rows(Target{p}, t.m_block, t.n_block, acc, coords, thread, staging);
   }
 };
 

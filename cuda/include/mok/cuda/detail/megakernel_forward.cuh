@@ -537,10 +537,7 @@ __device__ void dispatch_warps(const Params& p, int used, int cta, int ctas) {
 }
 
 // ---- combine push: the down tile's rows go straight into their (token, j) slots on the source ----
-// Two halves of 128 columns, each through both staging tiles (64 columns each): the accumulator
-// values of a half are dead once written, which keeps the read-back within the register budget.
-// Each thread then stores 16-byte pieces of 4 rows (thread / 8 + 32 i) at columns 8 * (thread % 8)
-// of both tiles.
+// (push_rows, expert_epilogues.cuh.)
 // Where a tile's rows go (a view of either pass's parameters, read in place, so that no register
 // holds a copy): row r of the schedule to combine[src_rank[r]] + src_slot[r] * hidden, the
 // forward's combine slots or the backward's dx slots (each pass wires its own into `combine`).
@@ -554,51 +551,6 @@ struct PushTarget {
   __device__ int width() const { return p.hidden; }
   __device__ bool skips_push() const { return MOK_SKIPS(p, kSkipPush); }
 };
-
-// kHalves: the tile's 128-column halves (2: the bf16 down tile's 256 columns; 1: the fp8 one's 128).
-template <int kHalves = 2, class Target, class Acc, class Coords>
-__device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc, const Coords& coords, int thread,
-                          bfloat16_t* staging) {
-  const int piece = thread % 8;
-  // Where the thread's 4 rows go, loaded once per tile and before the first staging writes (ncu:
-  // the stores waited on these loads, issued per half right before them), one register a row:
-  // rank << 24 | slot (ranks <= 128, slots = T*k < 2^24: the launcher's checks), -1 for padding.
-  int where[4];
-  CUTE_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    const int row = row_block * GemmConfig::kBlockM + thread / 8 + 32 * i;
-    const int rank = p.src_rank()[row], slot = p.src_slot()[row];
-    where[i] = rank < 0 || rank >= p.ranks() || slot < 0 || slot >= p.slots() ? -1 : rank << 24 | slot;
-  }
-  if (thread == 0) tma_store_wait<0>();  // no bulk store still reads the staging tiles
-  static_for<kHalves>([&](auto half_) {
-    constexpr int half = decltype(half_)::value;
-    consumers_sync();  // (half 0: the staging tiles are free; half 1: nobody reads them any more)
-    static_for<2>([&](auto b_) {
-      constexpr int c = 2 * half + decltype(b_)::value;  // 64-column chunk of the tile
-      Tensor sC = make_tensor(make_smem_ptr(staging + decltype(b_)::value * kStagingElems), SmemLayoutEpilogue{});
-      static_for<16>([&](auto j) {  // the thread's 32 values of columns [64c, 64c + 64)
-        constexpr int i = 32 * c + 2 * decltype(j)::value;
-        const int r = get<0>(coords(i)), col = get<1>(coords(i)) - 64 * c;
-        store_shared(&sC(r, col), __floats2bfloat162_rn(acc(i), acc(i + 1)));
-      });
-    });
-    consumers_sync();
-    CUTE_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const int r = thread / 8 + 32 * i;
-      if (where[i] < 0) continue;  // padding row
-      __nv_bfloat16* dst = p.dest(where[i] >> 24) + int64_t(where[i] & 0xffffff) * p.width();
-      CUTE_UNROLL
-      for (int b = 0; b < 2; ++b) {
-        const int col = n_block * (128 * kHalves) + 64 * (2 * half + b) + 8 * piece;
-        Tensor sC = make_tensor(make_smem_ptr(staging + b * kStagingElems), SmemLayoutEpilogue{});
-        if (col < p.width() && !p.skips_push())
-          *reinterpret_cast<uint4*>(dst + col) = load_shared_16(&sC(r, 8 * piece));
-      }
-    }
-  });
-}
 
 // The epilogues take the thread index through an opaque move and derive their accumulator
 // coordinates from it (the kernel's own `coords` go unused): their shared-memory addresses are
