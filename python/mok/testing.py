@@ -60,6 +60,8 @@ __all__ = [
     "random_shared_weights",
     "random_problem",
     "capture_after_warm_up",
+    "SAVED_TENSOR_MODES",
+    "forward_with_saved_tensors",
     "relative_error",
     "dequantize_e4m3_rows",
     "dequantize_e4m3_blocks",
@@ -646,6 +648,27 @@ def capture_after_warm_up(step: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph,
     with torch.cuda.graph(graph):
         captured = step()
     return graph, captured
+
+
+SAVED_TENSOR_MODES = ("plain", "non_reentrant", "reentrant", "save_on_cpu")
+"""The ways training code keeps a forward's saved tensors (forward_with_saved_tensors)."""
+
+
+def forward_with_saved_tensors(mode: str, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` as training code may run it, ``mode`` one of SAVED_TENSOR_MODES: plainly,
+    inside ``torch.utils.checkpoint`` (non-reentrant: saved tensors dropped after the forward and
+    made again by a recompute in the backward; reentrant: a no_grad forward, then a training one in
+    the backward), or under ``torch.autograd.graph.save_on_cpu``."""
+    if mode == "plain":
+        return fn(*args)
+    if mode == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            return fn(*args)
+    if mode not in SAVED_TENSOR_MODES:
+        raise ValueError(f"mode must be one of {SAVED_TENSOR_MODES}, got {mode!r}")
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=mode == "reentrant")
 
 
 # ---------------------------------------------------------------------------------------------

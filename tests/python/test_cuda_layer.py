@@ -102,8 +102,6 @@ def test_activation_checkpointing_and_saved_tensor_hooks_give_the_same_bits(prec
     forward and made again in the backward; reentrant: a no_grad forward, then a training one) and
     under save_on_cpu gives the plain call's y and gradients bit for bit; non-reentrant, the
     forward keeps none of its routed rows."""
-    from torch.utils.checkpoint import checkpoint
-
     p = testing.random_problem(300, 16, 512, 256, 4, shared_intermediate=128, routing="zipf", seed=41, device="cuda")
     dy = torch.randn(300, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
     config = mok.MoeConfig(precision=precision)
@@ -118,20 +116,14 @@ def test_activation_checkpointing_and_saved_tensor_hooks_give_the_same_bits(prec
         _poison_free_memory()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        if mode == "plain":
-            y = layer(leaves[0], leaves[1])
-        elif mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu():
-                y = layer(leaves[0], leaves[1])
-        else:
-            y = checkpoint(layer, leaves[0], leaves[1], use_reentrant=mode == "reentrant")
+        y = testing.forward_with_saved_tensors(mode, layer, leaves[0], leaves[1])
         kept = torch.cuda.memory_allocated() - before
         y.backward(dy)
         return [y.detach()] + [t.grad for t in leaves + shared], kept
 
     plain, kept_plain = run("plain")
     names = ["y", "dx", "d_topk_w", "dW_gate", "dW_up", "dW_down", "dS_gate", "dS_up", "dS_down"]
-    for mode in ("non_reentrant", "reentrant", "save_on_cpu"):
+    for mode in testing.SAVED_TENSOR_MODES[1:]:
         got, kept = run(mode)
         for name, a, b in zip(names, plain, got):
             assert b is not None and torch.equal(a, b), f"{mode}: {name} differs from the plain call's"

@@ -244,8 +244,6 @@ def test_workspace_plan_and_cache() -> None:
 def test_activation_checkpointing_gives_the_same_bits(save_context: bool) -> None:
     """The layer inside torch.utils.checkpoint (non-reentrant and reentrant) and under save_on_cpu
     gives the plain call's y and gradients bit for bit (the GPU twin: test_cuda_layer.py)."""
-    from torch.utils.checkpoint import checkpoint
-
     p = testing.random_problem(64, 8, 32, 16, 2, shared_intermediate=16, routing="zipf", seed=5)
     dy = torch.randn(64, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
 
@@ -256,17 +254,11 @@ def test_activation_checkpointing_gives_the_same_bits(save_context: bool) -> Non
         def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return mok.moe(x, p.topk_idx, w, *leaves[2:], shared, save_context=save_context)
 
-        if mode == "plain":
-            y = layer(leaves[0], leaves[1])
-        elif mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu():
-                y = layer(leaves[0], leaves[1])
-        else:
-            y = checkpoint(layer, leaves[0], leaves[1], use_reentrant=mode == "reentrant")
+        y = testing.forward_with_saved_tensors(mode, layer, leaves[0], leaves[1])
         y.backward(dy)
         return [y.detach()] + [t.grad for t in leaves + shared]
 
     plain = run("plain")
-    for mode in ("non_reentrant", "reentrant", "save_on_cpu"):
+    for mode in testing.SAVED_TENSOR_MODES[1:]:
         for i, (a, b) in enumerate(zip(plain, run(mode))):
             assert b is not None and torch.equal(a, b), f"{mode}: output {i} differs from the plain call's"
