@@ -170,7 +170,7 @@ std::string can_implement(const ExpertsBackwardArgs& a) {
     if (push->slots < 0 || push->slots >= (int64_t{1} << 24))
       why << "dx_push.slots must be in [0, 2^24), got " << push->slots << "; ";
     bool tables = push->slots_of != nullptr && push->src_rank != nullptr && push->src_slot != nullptr;
-    for (int64_t r = 0; tables && r < push->ranks && r <= detail::kMaxPushRanks; ++r)
+    for (int64_t r = 0; tables && r < push->ranks && r < detail::kMaxPushRanks; ++r)
       tables = push->slots_of[r] != nullptr || push->slots == 0;
     if (!tables) why << "dx_push needs slots_of (one pointer a rank), src_rank and src_slot; ";
   }

@@ -640,15 +640,16 @@ void moe_schedule(const MoeForwardArgs& a, cudaStream_t stream, int64_t* send_co
   preload_kernels();  // before the barrier spins (see moe_forward)
   const int32_t* topk_idx[kMaxRanks];
   const ScheduleArgs sa = schedule_args(a, topk_idx);
+  // Every row past the real ones a padding row (local buffers: set before anything other ranks see).
+  for (int32_t* rows : {a.src_rank, a.src_slot})
+    check(cudaMemsetAsync(rows, 0xff, size_t(a.row_capacity) * sizeof(int32_t), stream), "clear the schedule's rows");
   begin_call(a.status, a.epoch_counter, a.epoch, stream);
   // 1. Every rank's topk_idx is written, and every rank makes this call.
   barrier(R, status, detail::kWaitBarrier, true,
           [&](int s) { return signal_word(a.bases[s], l.barrier(me)); },
           [&](int s) { return signal_word(mine, l.barrier(s)); }, stream,
           call_word(a.shape, a.hidden, a.intermediate, a.swiglu_limit, kScheduleCall));
-  // 2. The schedule, every row past the real ones a padding row.
-  for (int32_t* rows : {a.src_rank, a.src_slot})
-    check(cudaMemsetAsync(rows, 0xff, size_t(a.row_capacity) * sizeof(int32_t), stream), "clear the schedule's rows");
+  // 2. The schedule and its totals.
   build_schedule(sa, stream);
   schedule_totals(sa, send_counts, recv_counts, stream);
   // 3. Every rank has read every rank's topk_idx (the combine's arrival words: this call pushes no rows).

@@ -1087,15 +1087,22 @@ TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
   EXPECT_EQ(again.errors[1], "");
   // A backward that replays its rows and one that does not are different calls too (the replaying
   // rank would pull x rows the other never wrote again).
+  // Both backward paths: the stage kernels' dx GEMM of a given-up call pushes nothing.
   const auto dy = make_output_grad<float>(d, 6, true);
-  RunConfig mixed;
-  mixed.backward = true;
-  mixed.dy = &dy;
-  mixed.rank1_replays = true;
-  mixed.timeout_s = 1.0;
-  const Outputs replayed = run_forward(in, mixed, 1);
-  EXPECT_NE(replayed.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos) << replayed.errors[0];
-  EXPECT_NE(replayed.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos) << replayed.errors[1];
+  for (const bool stages : {false, true}) {
+    RunConfig mixed;
+    mixed.backward = true;
+    mixed.dy = &dy;
+    mixed.rank1_replays = true;
+    mixed.stage_backward = stages;
+    mixed.timeout_s = 1.0;
+    const Outputs replayed = run_forward(in, mixed, 1);
+    const std::string path = stages ? "stage kernels: " : "megakernel: ";
+    EXPECT_NE(replayed.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos)
+        << path << replayed.errors[0];
+    EXPECT_NE(replayed.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos)
+        << path << replayed.errors[1];
+  }
 }
 
 TEST(MegakernelErrors, GraphCaptureWithPeersIsRefused) {

@@ -90,7 +90,7 @@ def build_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, topk_idx: Tensor
         # The device counts the rows sent to (pulled by) each rank and received from (pulled from) each.
         fused.schedule(gpu.bases, offsets, rows, src_rank, src_slot, send_counts, recv_counts)
     none = torch.empty(0, dtype=i64, device=device)
-    return offsets, src_rank, src_slot, none, recv_counts, none, send_counts, rows, routing
+    return offsets, src_rank, src_slot, none, recv_counts, none.clone(), send_counts, rows, routing
 
 
 def check_schedule(ws: Any, gpu: _cuda_layer._Workspace | None, schedule: Any) -> None:

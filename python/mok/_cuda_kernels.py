@@ -511,7 +511,8 @@ class Context:
     @classmethod
     def of(cls, replay: bool, x_rows: torch.Tensor | None, h: torch.Tensor | None, gu: torch.Tensor | None,
            offsets: torch.Tensor, src_rank: torch.Tensor, src_slot: torch.Tensor) -> "Context":
-        """A context from tensors a forward filled (the traceable op hands them over as its outputs)."""
+        """A context from tensors a forward filled (the traceable op hands them over as its outputs;
+        the eager layer's backward gets them back from autograd's saved tensors)."""
         context = cls.__new__(cls)
         context.replay = replay
         context.x_rows, context.h, context.gu = x_rows, h, gu

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _cuda_kernels as kernels
 from . import _dist
@@ -343,9 +344,18 @@ class _FusedMoe(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # (the kernels' gradients carry no graph: a double backward raises)
     def backward(ctx: Any, dy: Tensor | None) -> tuple[Any, ...]:
         (topk_idx, topk_w, w_gate, w_up, w_down, x, s_gate, s_up, s_down, x_rows, h, gu, offsets, src_rank, src_slot,
          *shared_rows) = ctx.saved_tensors
+        # A saved-tensor hook decided what came back; the kernels read these by address.
+        for name, t in (("x_rows", x_rows), ("h", h), ("gu", gu), ("offsets", offsets), ("src_rank", src_rank),
+                        ("src_slot", src_slot)):
+            if t is not None and (t.device != topk_w.device or not t.is_contiguous() or t.data_ptr() % 16):
+                raise ValueError(f"mok: the saved context's {name} came back from a saved-tensor hook as a "
+                                 f"{'non-contiguous or unaligned ' if t.device == topk_w.device else ''}tensor on "
+                                 f"{t.device}: the backward reads it by address (a contiguous, 16-byte aligned "
+                                 f"tensor on {topk_w.device})")
         context = kernels.Context.of(ctx.replay, x_rows, h, gu, offsets, src_rank, src_slot)
         with torch.cuda.device(topk_w.device):
             dx, d_topk_w, *weight_grads = _training_backward(

@@ -120,8 +120,10 @@ struct MoeForwardArgs {
 // warps pull dy rows and router weights from the source ranks; dh = dy W_down with the SwiGLU
 // backward; dx = [dg|du] [W_gate; W_up] pushed into the source ranks' dx_slots, d topk_w into their
 // dw_slots; then the weight gradients, fixed reduction order); a wait on every rank's arrival; the
-// fixed-order dx sum. With fused = false the same steps run as stage kernels (gather, expert
-// backward, scatter): the same bits, kept as the fused path's yardstick.
+// fixed-order dx sum. With fused = false the same steps run as stage kernels (gather, the expert
+// backward whose dx GEMM pushes each row into its source rank's slot, the d topk_w scatter; at
+// fp8_dgrad the dx rows go through the scatter kernel): the same bits, the planner's choice where
+// communication is a small share of the backward.
 //
 // Replay (replay = true), for a forward that kept only its schedule (its ring smaller than the
 // rows, no g|u): every rank has also written its x into its symmetric buffer again, and the call
@@ -185,7 +187,7 @@ struct MoeBackwardArgs {
   void* dgu = nullptr;             // [cap, 2I] bf16
   void* hw = nullptr;              // [cap, I] bf16
   float* dw_partial = nullptr;     // [cap, dw_partial_blocks(I)]
-  void* dx_rows = nullptr;         // [cap, H] bf16
+  void* dx_rows = nullptr;         // [cap, H] bf16 (the stage path's scatter source: fp8_dgrad, or MOK_EXPERIMENT_DX_SCATTER=kernel)
   float* d_row_weight = nullptr;   // [cap]
   // Outputs.
   void* d_w_gate = nullptr;        // [El, I, H] d_w_type

@@ -336,21 +336,23 @@ struct PushRowsEpilogue {
   };
   struct Target {
     const Params& p;
+    bool given_up;
     __device__ __nv_bfloat16* dest(int rank) const { return p.dest[rank]; }
     __device__ const int32_t* src_rank() const { return p.src_rank; }
     __device__ const int32_t* src_slot() const { return p.src_slot; }
     __device__ int ranks() const { return p.ranks; }
     __device__ int slots() const { return p.slots; }
     __device__ int width() const { return p.width; }
-    __device__ bool skips_push() const { return false; }
+    __device__ bool skips_push() const { return given_up; }
   };
 
   template <class Acc, class Coords>
   static __device__ void apply(const Params& p, const GroupedTile& t, Acc& acc, const Coords& coords, int thread,
                                bfloat16_t* staging) {
-    // (Written before the launch: every thread of the CTA reads the same value.)
-    if (p.given_up_words != nullptr && call_given_up(p.given_up_words)) return;
-    push_rows(Target{p}, t.m_block, t.n_block, acc, coords, thread, staging);
+    // A given-up call only skips the stores: every thread still meets push_rows' barriers,
+    // whatever it read.
+    const bool given_up = p.given_up_words != nullptr && call_given_up(p.given_up_words);
+    push_rows(Target{p, given_up}, t.m_block, t.n_block, acc, coords, thread, staging);
   }
 };
 
