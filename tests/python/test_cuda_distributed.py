@@ -81,6 +81,18 @@ def run_explicit(case: td.Case, p: td.GlobalProblem, rank: int, size: int) -> di
                               num_experts=p.weights[0].shape[0], topk=w.shape[1], shared_intermediate=Is,
                               swiglu_limit=case.limit)
     s = mok.build_schedule(ws, p.topk_idx[rank].to(dev))
+    # The schedule's counts, made on the device by its call, against the routing every rank holds.
+    E = p.weights[0].shape[0]
+    ids = [t.long().flatten() for t in p.topk_idx]
+    routed = [i[(i >= 0) & (i < E)] for i in ids]
+    send = torch.bincount(routed[rank] // El, minlength=size)
+    recv = torch.tensor([int(((r >= rank * El) & (r < (rank + 1) * El)).sum()) for r in routed])
+    local = torch.cat(routed)
+    local = local[(local >= rank * El) & (local < (rank + 1) * El)] - rank * El
+    per_expert = torch.bincount(local, minlength=El)
+    assert torch.equal(s.tokens_per_expert.cpu().long(), per_expert), f"rank {rank}: tokens_per_expert"
+    assert torch.equal(s.send_counts.cpu(), send), f"rank {rank}: send_counts {s.send_counts.tolist()}, want {send.tolist()}"
+    assert torch.equal(s.recv_counts.cpu(), recv), f"rank {rank}: recv_counts {s.recv_counts.tolist()}, want {recv.tolist()}"
     y, _ = mok.forward(ws, s, x, w, *weights, shared)
     ctx = mok.recompute_forward_context(ws, s, x, *weights, shared)
     g = mok.backward(ws, s, ctx, dy, x, w, *weights, shared)
