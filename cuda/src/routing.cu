@@ -263,16 +263,16 @@ std::string can_implement(const ScheduleArgs& a) {
   return finish(why);
 }
 
-void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
-  require(a, "schedule");
+namespace {
+// The kernels' view of a schedule build (build_schedule and schedule_totals read the same one).
+detail::ScheduleParams schedule_params(const ScheduleArgs& a) {
   const RoutingShape& s = a.shape;
-  const int64_t El = s.local_experts();
   detail::ScheduleParams p{};
   p.ranks = static_cast<int32_t>(s.ranks);
   p.topk = static_cast<int32_t>(s.topk);
   p.num_experts = static_cast<int32_t>(s.num_experts);
-  p.local_experts = static_cast<int32_t>(El);
-  p.first_expert = static_cast<int32_t>(a.dest_rank * El);
+  p.local_experts = static_cast<int32_t>(s.local_experts());
+  p.first_expert = static_cast<int32_t>(a.dest_rank * s.local_experts());
   p.slots = static_cast<int32_t>(s.slots());
   p.chunks_per_rank = static_cast<int32_t>(chunks_per_rank(s));
   p.num_chunks = static_cast<int32_t>(s.ranks * chunks_per_rank(s));
@@ -285,6 +285,14 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
   p.status = a.status;
   for (int64_t r = 0; r < s.ranks; ++r) p.topk_idx[r] = a.topk_idx[r];
   p.given_up_words = a.given_up_words;
+  return p;
+}
+}  // namespace
+
+void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
+  require(a, "schedule");
+  const int64_t El = a.shape.local_experts();
+  const detail::ScheduleParams p = schedule_params(a);
 
   const int warps = schedule_warps_per_block(El);
   const size_t smem = static_cast<size_t>(warps) * static_cast<size_t>(El) * sizeof(int32_t);
@@ -306,19 +314,7 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
 void schedule_totals(const ScheduleArgs& a, int64_t* send_counts, int64_t* recv_counts, cudaStream_t stream) {
   require(a, "schedule_totals");
   if (send_counts == nullptr && recv_counts == nullptr) return;
-  const RoutingShape& s = a.shape;
-  detail::ScheduleParams p{};
-  p.ranks = static_cast<int32_t>(s.ranks);
-  p.num_experts = static_cast<int32_t>(s.num_experts);
-  p.local_experts = static_cast<int32_t>(s.local_experts());
-  p.first_expert = static_cast<int32_t>(a.dest_rank * s.local_experts());
-  p.slots = static_cast<int32_t>(s.slots());
-  p.chunks_per_rank = static_cast<int32_t>(chunks_per_rank(s));
-  p.num_chunks = static_cast<int32_t>(s.ranks * chunks_per_rank(s));
-  p.counts = static_cast<int32_t*>(a.workspace);
-  p.expert_rows = a.expert_rows;
-  p.given_up_words = a.given_up_words;
-  for (int64_t r = 0; r < s.ranks; ++r) p.topk_idx[r] = a.topk_idx[r];
+  const detail::ScheduleParams p = schedule_params(a);
   detail::schedule_totals_kernel<<<1, detail::kTotalsThreads, 0, stream>>>(p, send_counts, recv_counts);
   check(cudaGetLastError(), "launch schedule totals");
 }

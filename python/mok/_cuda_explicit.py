@@ -124,9 +124,7 @@ def _check_buffer(ws: Any, name: str, t: object, shape: tuple[int, ...], dtype: 
         got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"{name} is {got}, expected {shape} {str(dtype).removeprefix('torch.')} on {ws.device}: "
                          f"{made_by} on this workspace")
-    if not t.is_contiguous() or t.data_ptr() % 16 != 0:
-        raise ValueError(f"{name} must be a contiguous, 16-byte aligned tensor (the kernels read it by address), "
-                         f"got strides {t.stride()} at offset {t.storage_offset()}")
+    kernels.check_addressable(name, t, ws.device)
 
 
 def _context(schedule: Any, x_rows: Tensor | None, h: Tensor, gu: Tensor) -> kernels.Context:

@@ -256,6 +256,13 @@ def experts_forward_fp8(x: tuple[torch.Tensor, torch.Tensor], offsets: torch.Ten
         raise ValueError(error.value.decode())
 
 
+def check_addressable(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A tensor the kernels read by its address: on ``device``, dense and 16-byte aligned."""
+    if t.device != device or not t.is_contiguous() or t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be a contiguous, 16-byte aligned tensor on {device} (the kernels read it by "
+                         f"address), got strides {t.stride()} at offset {t.storage_offset()} on {t.device}")
+
+
 def _check_tensors(specs: tuple[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype], ...],
                    device: torch.device | None = None) -> None:
     for name, t, shape, dtype in specs:

@@ -351,11 +351,9 @@ class _FusedMoe(torch.autograd.Function):
         # A saved-tensor hook decided what came back; the kernels read these by address.
         for name, t in (("x_rows", x_rows), ("h", h), ("gu", gu), ("offsets", offsets), ("src_rank", src_rank),
                         ("src_slot", src_slot)):
-            if t is not None and (t.device != topk_w.device or not t.is_contiguous() or t.data_ptr() % 16):
-                raise ValueError(f"mok: the saved context's {name} came back from a saved-tensor hook as a "
-                                 f"{'non-contiguous or unaligned ' if t.device == topk_w.device else ''}tensor on "
-                                 f"{t.device}: the backward reads it by address (a contiguous, 16-byte aligned "
-                                 f"tensor on {topk_w.device})")
+            if t is not None:
+                kernels.check_addressable(f"mok: the saved context's {name}, as a saved-tensor hook gave it back,",
+                                          t, topk_w.device)
         context = kernels.Context.of(ctx.replay, x_rows, h, gu, offsets, src_rank, src_slot)
         with torch.cuda.device(topk_w.device):
             dx, d_topk_w, *weight_grads = _training_backward(
