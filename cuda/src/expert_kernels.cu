@@ -158,22 +158,26 @@ std::string can_implement(const ExpertsForwardArgs& a) {
   return trimmed(why.str());
 }
 
+std::string host_util::dx_push_problem(const DxPush& push) {
+  std::ostringstream why;
+  if (push.ranks < 1 || push.ranks > detail::kMaxPushRanks)
+    why << "dx_push.ranks must be in [1, " << detail::kMaxPushRanks << "], got " << push.ranks << "; ";
+  if (push.slots < 0 || push.slots >= (int64_t{1} << 24))
+    why << "dx_push.slots must be in [0, 2^24), got " << push.slots << "; ";
+  bool tables = push.slots_of != nullptr && push.src_rank != nullptr && push.src_slot != nullptr;
+  for (int64_t r = 0; tables && r < push.ranks && r < detail::kMaxPushRanks; ++r)
+    tables = push.slots_of[r] != nullptr || push.slots == 0;
+  if (!tables) why << "dx_push needs slots_of (one pointer a rank), src_rank and src_slot; ";
+  return why.str();
+}
+
 std::string can_implement(const ExpertsBackwardArgs& a) {
   std::ostringstream why;
   why << common_checks(a.hidden, a.intermediate, a.local_experts, a.row_capacity, a.expert_offsets);
   if (!a.x || !a.gu || !a.h || !a.dy || !a.row_weight || !a.w_gate || !a.w_up || !a.w_down || !a.dgu || !a.hw ||
       !a.dw_partial || !(a.dx || a.dx_push) || !a.d_row_weight || !a.d_w_gate || !a.d_w_up || !a.d_w_down)
     why << "every pointer of ExpertsBackwardArgs must be set (dx or dx_push); ";
-  if (const DxPush* push = a.dx_push) {
-    if (push->ranks < 1 || push->ranks > detail::kMaxPushRanks)
-      why << "dx_push.ranks must be in [1, " << detail::kMaxPushRanks << "], got " << push->ranks << "; ";
-    if (push->slots < 0 || push->slots >= (int64_t{1} << 24))
-      why << "dx_push.slots must be in [0, 2^24), got " << push->slots << "; ";
-    bool tables = push->slots_of != nullptr && push->src_rank != nullptr && push->src_slot != nullptr;
-    for (int64_t r = 0; tables && r < push->ranks && r < detail::kMaxPushRanks; ++r)
-      tables = push->slots_of[r] != nullptr || push->slots == 0;
-    if (!tables) why << "dx_push needs slots_of (one pointer a rank), src_rank and src_slot; ";
-  }
+  if (a.dx_push) why << host_util::dx_push_problem(*a.dx_push);
   why << schedule_problem();
   if (a.swiglu_limit && !(*a.swiglu_limit > 0.0f)) why << "swiglu_limit must be > 0; ";
   return trimmed(why.str());
@@ -285,14 +289,7 @@ void dx_launch(const ExpertsBackwardArgs& a, cudaStream_t stream) {
   const KMajor::Params m = host_util::dx_operands(a.dgu, a.w_gate, a.w_up, R, H, I, El);
   const int n_blocks = ceil_div(H, GemmConfig::kBlockN), k_blocks = 2 * ceil_div(I, KMajor::kBlockK);
   if (const DxPush* push = a.dx_push) {  // each row into its (token, j) slot (the stage backward's scatter)
-    detail::PushRowsEpilogue::Params e{};
-    for (int64_t r = 0; r < push->ranks; ++r) e.dest[r] = static_cast<__nv_bfloat16*>(push->slots_of[r]);
-    e.src_rank = push->src_rank;
-    e.src_slot = push->src_slot;
-    e.given_up_words = push->given_up_words;
-    e.ranks = int32_t(push->ranks);
-    e.slots = int32_t(push->slots);
-    e.width = int32_t(H);
+    const detail::PushRowsEpilogue::Params e = host_util::push_rows_params(*push, H);
     launch(rows_params<KMajor, detail::PushRowsEpilogue>(m, e, El, R, n_blocks, k_blocks, a.expert_offsets, a.status),
            a.num_sms, stream);
     return;

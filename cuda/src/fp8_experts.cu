@@ -216,8 +216,10 @@ std::string can_implement(const ExpertsDgradFp8Args& a) {
   std::ostringstream why;
   const ExpertsBackwardArgs& b = a.base;
   shape_checks(why, b.hidden, b.intermediate, b.local_experts, b.row_capacity, b.expert_offsets);
-  if (!b.gu || !b.h || !b.dy || !b.row_weight || !b.dgu || !b.hw || !b.dw_partial || !b.dx || !b.d_row_weight)
-    why << "gu, h, dy, row_weight, dgu, hw, dw_partial, dx and d_row_weight must not be null; ";
+  if (!b.gu || !b.h || !b.dy || !b.row_weight || !b.dgu || !b.hw || !b.dw_partial || !(b.dx || b.dx_push) ||
+      !b.d_row_weight)
+    why << "gu, h, dy, row_weight, dgu, hw, dw_partial, dx (or dx_push) and d_row_weight must not be null; ";
+  if (b.dx_push) why << host_util::dx_push_problem(*b.dx_push);
   if (!a.w_down_t || !a.w_down_t_scales || !a.w_gate_up_t || !a.w_gate_up_t_scales)
     why << "w_down_t and w_gate_up_t (each with its scales) must not be null; ";
   if (!a.dy_codes || !a.dy_scales || !a.dgu_codes || !a.dgu_scales)
@@ -264,9 +266,13 @@ void experts_dgrad_fp8(const ExpertsDgradFp8Args& a, cudaStream_t stream) {
                                  R, stream);
   // dx = [dg|du] [W_gate; W_up]: dg|du's rows 1 x 128 along 2I, [W_gate^T | W_up^T] [El, H, 2I].
   if (!fused_dgu) quantize_rows_e4m3_k_major(b.dgu, R, 2 * I, a.dgu_codes, a.dgu_scales, rows_used, stream);
-  const Fp8ScaledGemmParams dx =
-      detail::fp8_store_params(e4m3(a.dgu_codes), a.dgu_scales, e4m3(a.w_gate_up_t), a.w_gate_up_t_scales,
-                               store_target(b.dx, R, H, H), rows, 2 * i, h, experts, b.expert_offsets, b.status);
+  // With dx_push each row goes into its (token, j) slot (the bf16 dx GEMM's push) and dx is not
+  // written: the store target is then a stand-in (dgu as it is), unused.
+  const auto out = b.dx_push ? store_target(b.dgu, R, 2 * I, 2 * I) : store_target(b.dx, R, H, H);
+  Fp8ScaledGemmParams dx = detail::fp8_store_params(e4m3(a.dgu_codes), a.dgu_scales, e4m3(a.w_gate_up_t),
+                                                    a.w_gate_up_t_scales, out, rows, 2 * i, h, experts,
+                                                    b.expert_offsets, b.status);
+  if (b.dx_push) dx.push = host_util::push_rows_params(*b.dx_push, H);
   launch<false>(dx, b.num_sms, stream);
 }
 

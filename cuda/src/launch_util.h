@@ -74,6 +74,21 @@ inline detail::StoreTensorOf<kRows> store_target(void* ptr, int64_t rows, int64_
 void reduce_row_partials(const float* partial, int blocks, const int32_t* offsets, int experts, float* out,
                          int64_t rows, cudaStream_t stream);
 
+// The dx push (ExpertsBackwardArgs::dx_push): what is wrong with it ("" if nothing), and its
+// rows' epilogue parameters (the bf16 and the fp8 dx GEMM share both; expert_kernels.cu).
+std::string dx_push_problem(const DxPush& push);
+inline detail::PushRowsEpilogue::Params push_rows_params(const DxPush& push, int64_t width) {
+  detail::PushRowsEpilogue::Params e{};
+  for (int64_t r = 0; r < push.ranks; ++r) e.dest[r] = static_cast<__nv_bfloat16*>(push.slots_of[r]);
+  e.src_rank = push.src_rank;
+  e.src_slot = push.src_slot;
+  e.given_up_words = push.given_up_words;
+  e.ranks = int32_t(push.ranks);
+  e.slots = int32_t(push.slots);
+  e.width = int32_t(width);
+  return e;
+}
+
 // ---- The backward's GEMMs, for the stage kernels and the backward megakernel alike ----
 using BackwardK = detail::BackwardMainloop<cute::GMMA::Major::K>;
 using BackwardMN = detail::BackwardMainloop<cute::GMMA::Major::MN>;

@@ -318,7 +318,6 @@ FusedBuffers::FusedBuffers(const RoutingShape& shape, int64_t hidden, int64_t in
     o_.dgu = take(cap * 2 * I * 2);
     o_.hw = take(cap * I * 2);
     o_.dw_partial = take(cap * dw_partial_blocks(I) * 4);
-    o_.dx_rows = take(cap * H * 2);
     o_.d_row_weight = take(cap * 4);
     o_.experts_status = take(16);
   }
@@ -395,7 +394,6 @@ void FusedBuffers::wire(MoeBackwardArgs& b) const {
   b.dgu = at(o_.dgu);
   b.hw = at(o_.hw);
   b.dw_partial = static_cast<float*>(at(o_.dw_partial));
-  b.dx_rows = at(o_.dx_rows);
   b.d_row_weight = static_cast<float*>(at(o_.d_row_weight));
   b.status = status();
   b.experts_status = experts_status();
@@ -808,7 +806,7 @@ std::string can_implement(const MoeBackwardArgs& a) {
     why << "an fp8 replay needs the forward's gate|up weights (w_gate_codes, w_up_codes and their scales); ";
   if (a.replay && a.fp8_forward && (a.hidden % 128 != 0 || a.intermediate % 128 != 0))
     why << "an fp8 replay needs hidden and intermediate multiples of 128; ";
-  if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.dx_rows || !a.d_row_weight || !a.d_w_gate ||
+  if (!a.dy_rows || !a.row_weight || !a.dgu || !a.hw || !a.dw_partial || !a.d_row_weight || !a.d_w_gate ||
       !a.d_w_up || !a.d_w_down || !a.dx || !a.d_topk_w || !a.status || !a.experts_status || !a.expert_offsets ||
       !a.src_rank || !a.src_slot)
     why << "scratch, outputs, schedule and status pointers must be set; ";
@@ -881,7 +879,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   f.w_down = a.w_down;
   f.gu = a.gu;
   f.h = a.h;
-  f.y = a.dx_rows;  // checked as set; gate_up_swiglu does not write y
+  f.y = a.dgu;  // checked as set; gate_up_swiglu does not write y
   f.swiglu_limit = a.swiglu_limit;
   f.status = a.experts_status;
   // fp8 replay: the pulled rows quantized into the dy rows' scratch (codes [cap, H], then their
@@ -922,7 +920,6 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.dgu = a.dgu;
   e.hw = a.hw;
   e.dw_partial = a.dw_partial;
-  e.dx = a.dx_rows;
   e.d_row_weight = a.d_row_weight;
   e.d_w_gate = a.d_w_gate;
   e.d_w_up = a.d_w_up;
@@ -930,16 +927,13 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   e.d_w_type = a.d_w_type;
   e.swiglu_limit = a.swiglu_limit;
   e.status = a.experts_status;
-  // fp8_dgrad: the same backward with its data gradients on e4m3
-  const ExpertsDgradFp8Args e8 = fp8_dgrad_args(e, a.w_down_t_codes, a.w_down_t_scales, a.w_gate_up_t_codes,
-                                                a.w_gate_up_t_scales, a.fp8_dgrad_scratch);
-  // The dx GEMM pushes its rows into their (token, j) slots on the source ranks (the scatter
-  // fused into its epilogue: no dx_rows round trip through HBM); fp8_dgrad's dx GEMM writes
-  // dx_rows and scatter_rows copies them. MOK_EXPERIMENT_DX_SCATTER=kernel (read per call; the
-  // timing tool's A/B) takes the scatter kernel for bf16 too. The same bits either way.
+  // The dx GEMM (bf16, or fp8_dgrad's e4m3) pushes its rows into their (token, j) slots on the
+  // source ranks (the scatter fused into its epilogue: no dx row round trip through HBM).
+  // MOK_EXPERIMENT_DX_SCATTER=kernel (read per call; the timing tool's A/B) writes the rows into
+  // dx_rows, which the caller then provides, and scatter_rows copies them. The same bits either way.
   static_assert(detail::kMaxPushRanks == kMaxRanks, "PushRowsEpilogue's table holds every rank");
   const char* scatter_env = std::getenv("MOK_EXPERIMENT_DX_SCATTER");
-  const bool push_dx = !(scatter_env != nullptr && std::strcmp(scatter_env, "kernel") == 0);
+  const bool scatter_kernel = scatter_env != nullptr && std::strcmp(scatter_env, "kernel") == 0 && !(a.fused && cap > 0);
   DxPush push;
   push.ranks = R;
   push.slots = shape.slots();
@@ -947,7 +941,14 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   push.src_rank = view.src_rank;
   push.src_slot = view.src_slot;
   push.given_up_words = view.given_up_words;
-  if (push_dx) e.dx_push = &push;
+  if (scatter_kernel) {
+    e.dx = a.dx_rows;  // (null: the expert kernels' checks name it)
+  } else {
+    e.dx_push = &push;
+  }
+  // fp8_dgrad: the same backward with its data gradients on e4m3
+  const ExpertsDgradFp8Args e8 = fp8_dgrad_args(e, a.w_down_t_codes, a.w_down_t_scales, a.w_gate_up_t_codes,
+                                                a.w_gate_up_t_scales, a.fp8_dgrad_scratch);
   ScatterArgs sc;  // dx rows into their (token, j) slots on the source ranks
   sc.shape = shape;
   sc.hidden = H;
@@ -975,7 +976,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     else if (a.fused) fp8_dgrad_problem = "fp8_dgrad runs on the stage kernels (fused = false): the backward megakernel is bf16";
     else fp8_dgrad_problem = can_implement(e8);
   }
-  for (const std::string& why : {fp8_dgrad_problem, can_implement(g), can_implement(e), can_implement(sc), can_implement(sv),
+  for (const std::string& why : {fp8_dgrad_problem, can_implement(g), can_implement(e), scatter_kernel ? can_implement(sc) : "", can_implement(sv),
                                  can_implement(dg), pulls_x ? can_implement(gx) : "",
                                  a.replay && !fp8_replay ? can_implement(f) : "",
                                  fp8_replay ? can_implement(q, /*gate_up_only=*/true) : "",
@@ -1036,7 +1037,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
     } else {
       experts_backward(e, stream);
     }
-    if (a.fp8_dgrad || !push_dx) scatter_rows(sc, stream);
+    if (scatter_kernel) scatter_rows(sc, stream);
     scatter_row_values(sv, stream);
     // 5. Tell every source its slots from this rank are written; wait for every rank's.
     barrier(R, status, detail::kWaitGrads, true,

@@ -51,6 +51,9 @@ struct RunConfig {
   bool skip_padding_halves = true;  // both passes' skip_padding_halves
   bool fp8 = false;  // the block-scaled fp8 forward (weights quantized on the GPU; its backward: fp8_forward)
   bool fp8_dgrad = false;  // with fp8 and backward: Precision::fp8_dgrad's backward (stage kernels, e4m3 data gradients)
+  // With stage_backward: the dx GEMM writes its rows (MoeBackwardArgs::dx_rows) and the scatter
+  // kernel copies them into their slots (MOK_EXPERIMENT_DX_SCATTER=kernel), instead of the GEMM's push.
+  bool scatter_kernel = false;
   // Each forward's schedule built first in a call of its own (moe_schedule, one more epoch), and the
   // forward run on it (schedule_given): the explicit passes' build_schedule and forward. Not with graph.
   bool schedule_first = false;
@@ -110,7 +113,7 @@ struct Rank {
   std::unique_ptr<DeviceBuffer<uint16_t>> replay_x, replay_h;  // replay: the backward's rows
   std::unique_ptr<cuda::FusedBuffers> buffers;  // schedule, ring, counters, statuses, backward scratch
   // The backward's outputs.
-  std::unique_ptr<DeviceBuffer<uint16_t>> dx;
+  std::unique_ptr<DeviceBuffer<uint16_t>> dx, dx_rows;  // dx_rows: scatter_kernel's
   std::unique_ptr<DeviceBuffer<float>> d_topk_w, dwg, dwu, dwd;
   std::unique_ptr<DeviceBuffer<uint16_t>> dwg16, dwu16, dwd16;  // bf16_grads
   // fp8: the weights' e4m3 codes and 128 x 128 block scales.
@@ -218,6 +221,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         rk.replay_h = poisoned(bf(all_rows * I));
       }
       rk.dx = poisoned(bf(T * H));
+      if (cfg.scatter_kernel) rk.dx_rows = poisoned(bf(capacity * H));
       rk.d_topk_w = poisoned(f32(T * k));
       rk.dwg = poisoned(f32(El * I * H));
       rk.dwu = poisoned(f32(El * I * H));
@@ -364,6 +368,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         b.d_w_type = cuda::GradType::bf16;
       }
       b.dx = rk.dx->ptr;
+      if (cfg.scatter_kernel) b.dx_rows = rk.dx_rows->ptr;
       b.d_topk_w = rk.d_topk_w->ptr;
       b.epoch = uint32_t((run - 1) * (2 + int(cfg.schedule_first)) + 2 + int(cfg.schedule_first));
       b.num_sms = ctas;
@@ -386,7 +391,9 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
             EXPECT_EQ(cudaGraphLaunch(backward_graphs[r].exec, rk.stream), cudaSuccess);
         } else {
           Capture capture(cfg.capture, rk.stream);
+          if (cfg.scatter_kernel) setenv("MOK_EXPERIMENT_DX_SCATTER", "kernel", 1);
           cuda::moe_backward(b, rk.stream);
+          unsetenv("MOK_EXPERIMENT_DX_SCATTER");
         }
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch backward: ") + e.what() + "; ";
@@ -853,6 +860,11 @@ TEST_P(MegakernelFp8, Fp8DgradBackwardMatchesTheOracleAndIsBitwiseStable) {
   RunConfig replay = cfg;
   replay.replay = true;
   expect_same_gradients(a, run_forward(in, replay, 1), c.desc.ranks, "fp8_dgrad replay");
+  // The fp8 dx GEMM pushes its rows into their slots: the same bits as writing them for the
+  // scatter kernel.
+  RunConfig scatter = cfg;
+  scatter.scatter_kernel = true;
+  expect_same_gradients(a, run_forward(in, scatter, 1), c.desc.ranks, "fp8_dgrad with the scatter kernel");
   // Against fp8_block's backward (bf16 data gradients): near, and not the same bits.
   RunConfig bf16_dgrad = cfg;
   bf16_dgrad.fp8_dgrad = false;
@@ -908,6 +920,12 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
     }
     expect_same_gradients(a, o, c.desc.ranks, how);
   }
+  // The stage kernels' dx rows written and scattered by the scatter kernel, not pushed by the dx
+  // GEMM: the same bits.
+  RunConfig scatter = cfg;
+  scatter.stage_backward = true;
+  scatter.scatter_kernel = true;
+  expect_same_gradients(a, run_forward(in, scatter, 1), c.desc.ranks, "the stage kernels with the scatter kernel");
   // bf16 weight gradients: the fp32 ones rounded to nearest even, bit for bit; dx and d topk_w as before.
   cfg.bf16_grads = true;
   const Outputs h = run_forward(in, cfg, 1);

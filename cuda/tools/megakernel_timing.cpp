@@ -119,7 +119,7 @@ void run(const Shape& s) {
   struct RankData {
     void* base;
     uint16_t *wg, *wu, *wd, *y;
-    uint16_t *gu = nullptr, *dx = nullptr;  // the backward's
+    uint16_t *gu = nullptr, *dx = nullptr, *dx_rows = nullptr;  // the backward's (dx_rows: the scatter A/B's)
     float *d_topk_w = nullptr, *dwg = nullptr, *dwu = nullptr, *dwd = nullptr;
     std::unique_ptr<mok::cuda::FusedBuffers> buffers;
     cudaStream_t stream;
@@ -151,6 +151,7 @@ void run(const Shape& s) {
       fill_random(mok::SymmetricLayout::at<uint16_t>(rd.base, layout.dy), size_t(T * H), 50 + r, 1.0f);
       rd.gu = device<uint16_t>(cap * 2 * I);
       rd.dx = device<uint16_t>(T * H);
+      rd.dx_rows = device<uint16_t>(cap * H);
       rd.d_topk_w = device<float>(T * k);
       rd.dwg = device<float>(El * I * H);
       rd.dwu = device<float>(El * I * H);
@@ -206,6 +207,7 @@ void run(const Shape& s) {
         b.d_w_down = rd.dwd;
         b.d_w_type = dw_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
         b.dx = rd.dx;
+        b.dx_rows = rd.dx_rows;  // (read only under MOK_EXPERIMENT_DX_SCATTER=kernel)
         b.d_topk_w = rd.d_topk_w;
         b.fused = !stages;
         mok::cuda::moe_backward(b, rd.stream);

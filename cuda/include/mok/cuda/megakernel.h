@@ -181,13 +181,15 @@ struct MoeBackwardArgs {
   const void* w_gate_up_t_codes = nullptr;  // [W_gate^T | W_up^T] in e4m3 [El, H, 2I]
   const float* w_gate_up_t_scales = nullptr;  // [El, H / 128, 2I / 128]
   void* fp8_dgrad_scratch = nullptr;
-  // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials, dx rows.
+  // Scratch, [row_capacity] rows each: dy rows, router weights, dg|du, w*h, d topk_w partials.
   void* dy_rows = nullptr;         // [cap, H] bf16
   float* row_weight = nullptr;     // [cap]
   void* dgu = nullptr;             // [cap, 2I] bf16
   void* hw = nullptr;              // [cap, I] bf16
   float* dw_partial = nullptr;     // [cap, dw_partial_blocks(I)]
-  void* dx_rows = nullptr;         // [cap, H] bf16 (the stage path's scatter source: fp8_dgrad, or MOK_EXPERIMENT_DX_SCATTER=kernel)
+  // Optional [cap, H] bf16: only MOK_EXPERIMENT_DX_SCATTER=kernel's stage kernels use it (dx rows
+  // written, then scattered); otherwise the dx GEMM pushes its rows. FusedBuffers leaves it null.
+  void* dx_rows = nullptr;
   float* d_row_weight = nullptr;   // [cap]
   // Outputs.
   void* d_w_gate = nullptr;        // [El, I, H] d_w_type
@@ -262,8 +264,8 @@ class FusedBuffers {
  private:
   struct Offsets {
     int64_t offsets, rows, src_rank, src_slot, links, workspace, routing_status, ring_x, ring_h, counters, status, epoch;
-    int64_t dy_rows, row_weight, dgu, hw, dw_partial, dx_rows, d_row_weight, experts_status;  // keep_rows
-    int64_t ring_x_scales, ring_h_codes, ring_h_scales, pair_counters;                        // fp8
+    int64_t dy_rows, row_weight, dgu, hw, dw_partial, d_row_weight, experts_status;  // keep_rows
+    int64_t ring_x_scales, ring_h_codes, ring_h_scales, pair_counters;                   // fp8
   };
   void* at(int64_t offset) const { return static_cast<char*>(memory_) + offset; }
   RoutingShape shape_;

@@ -16,7 +16,8 @@
 //     bf16 kernels' one 64 x 256 fragment; the tile is 128 x 128.
 // Three forms (kGateUp, kSwiGluBackward):
 //   store (the down projection; the fp8 dgrad's dx): b one 128-row block of W[e], out[r, n] =
-//     bf16(acc), two chunks.
+//     bf16(acc), two chunks; or, with push.ranks > 0 (the stage backward's fp8 dx), each row
+//     pushed into its (token, j) slot as the bf16 dx GEMM's PushRowsEpilogue does, out unused.
 //   SwiGLU backward (kSwiGluBackward; the fp8 dgrad's dh = dy W_down, b = W_down^T's codes): b as
 //     the store form's, the epilogue the bf16 kernels' SwiGluBackwardEpilogueOf on a 128-column
 //     tile (dg|du, w*h and one d topk_w partial per 128 columns).
@@ -264,6 +265,7 @@ struct Fp8ScaledGemmParams {
   int32_t* status;
   SwiGluBackwardParams swiglu_backward{};  // the SwiGLU backward form's outputs and saved rows
   decltype(fp8_tma_a_half(nullptr, 1, 1)) tma_a_half{};  // the cluster form's a (kCluster == 2)
+  PushRowsEpilogue::Params push{};  // the store form's rows pushed instead of stored (ranks > 0)
 };
 
 // The store form's parameters: out[rows, n] = bf16 of a [rows, k] (row scales a_scales
@@ -426,6 +428,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         // (No bulk store in this form: the staging tiles are free of them.)
         SwiGluBackwardEpilogueOf<Config::kBlockM, Config::kBlockN>::apply(p.swiglu_backward, t, acc, tCcC, thread,
                                                                           smem.staging[0]);
+      } else if (p.push.ranks > 0) {
+        // (The same for every consumer thread: push_rows' barriers are met by all. A given-up
+        // call only skips the stores.)
+        const bool given_up = p.push.given_up_words != nullptr && call_given_up(p.push.given_up_words);
+        push_rows<1>(PushRowsEpilogue::Target{p.push, given_up}, t.m_block, t.n_block, acc, tCcC, thread,
+                     smem.staging[0]);
       } else {
         // bf16 out, 64 columns a chunk (values [32c, 32c + 32) of the fragment).
         static_for<2>([&](auto c_) {
