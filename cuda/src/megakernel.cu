@@ -856,7 +856,10 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   // The token links serve the stage kernels' gather and the replay's (the backward megakernel's
   // comm warps read every row).
   const bool pulls_x = a.replay || a.fp8_forward;  // the x rows are pulled again
-  const bool links = a.token_links != nullptr && (pulls_x || !(a.fused && cap > 0));
+  // The backward megakernel runs where it is asked for and there are rows (a TMA descriptor cannot
+  // have a zero extent); else the stage kernels.
+  const bool megakernel = a.fused && cap > 0;
+  const bool links = a.token_links != nullptr && (pulls_x || !megakernel);
   g.schedule.row_link = links ? a.token_links : nullptr;
   g.x = dy_table;
   g.rows = a.dy_rows;
@@ -933,7 +936,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   // dx_rows, which the caller then provides, and scatter_rows copies them. The same bits either way.
   static_assert(detail::kMaxPushRanks == kMaxRanks, "PushRowsEpilogue's table holds every rank");
   const char* scatter_env = std::getenv("MOK_EXPERIMENT_DX_SCATTER");
-  const bool scatter_kernel = scatter_env != nullptr && std::strcmp(scatter_env, "kernel") == 0 && !(a.fused && cap > 0);
+  const bool scatter_kernel = scatter_env != nullptr && std::strcmp(scatter_env, "kernel") == 0 && !megakernel;
   DxPush push;
   push.ranks = R;
   push.slots = shape.slots();
@@ -942,7 +945,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   push.src_slot = view.src_slot;
   push.given_up_words = view.given_up_words;
   if (scatter_kernel) {
-    e.dx = a.dx_rows;  // (null: the expert kernels' checks name it)
+    e.dx = a.dx_rows;  // (null: refused below)
   } else {
     e.dx_push = &push;
   }
@@ -970,13 +973,19 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
   dg.slot_values = SymmetricLayout::at<const float>(mine, l.dw_slots);  // d topk_w: the pushed slots, 0 where empty
   dg.d_topk_w = a.d_topk_w;
   dg.dx = a.dx;
+  const std::string scatter_problem =
+      scatter_kernel && a.dx_rows == nullptr
+          ? "MOK_EXPERIMENT_DX_SCATTER=kernel needs dx_rows [row_capacity, H] bf16 (the caller's: FusedBuffers "
+            "holds none)"
+          : "";
   std::string fp8_dgrad_problem;
   if (a.fp8_dgrad) {
     if (!a.fp8_forward) fp8_dgrad_problem = "fp8_dgrad is the backward of an fp8 forward (set fp8_forward)";
     else if (a.fused) fp8_dgrad_problem = "fp8_dgrad runs on the stage kernels (fused = false): the backward megakernel is bf16";
     else fp8_dgrad_problem = can_implement(e8);
   }
-  for (const std::string& why : {fp8_dgrad_problem, can_implement(g), can_implement(e), scatter_kernel ? can_implement(sc) : "", can_implement(sv),
+  for (const std::string& why : {scatter_problem, fp8_dgrad_problem, can_implement(g), can_implement(e),
+                                 scatter_kernel ? can_implement(sc) : "", can_implement(sv),
                                  can_implement(dg), pulls_x ? can_implement(gx) : "",
                                  a.replay && !fp8_replay ? can_implement(f) : "",
                                  fp8_replay ? can_implement(q, /*gate_up_only=*/true) : "",
@@ -1020,7 +1029,7 @@ void moe_backward(const MoeBackwardArgs& a, cudaStream_t stream) {
       gate_up_swiglu(f, stream);
     }
   }
-  if (a.fused && cap > 0) {  // (no rows at all: a TMA descriptor cannot have a zero extent)
+  if (megakernel) {
     // 2. The backward megakernel: pull dy, dh with the SwiGLU backward, dx pushed, then the
     //    weight gradients; its last CTA tells every source rank.
     check(cudaMemsetAsync(a.counters, 0, counter_layout(cap, a.minibatch_rows).words() * sizeof(uint32_t), stream),

@@ -1,5 +1,5 @@
 // What the GPU tests share: a device buffer that can be poisoned, bf16 conversions of host vectors,
-// and seeded bf16 random data.
+// seeded bf16 random data, and scoped environment switches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "mok/core/bf16.h"
@@ -64,5 +65,16 @@ inline std::vector<float> random_bf16(Rng& rng, int64_t n, double scale = 1.0) {
   for (float& x : v) x = round_to_bf16(static_cast<float>(rng.normal() * scale));
   return v;
 }
+
+// An environment switch of the library's (MOK_FP8_CLUSTER, MOK_EXPERIMENT_DX_SCATTER, ...) set for a
+// scope, and unset again however the scope ends (a call that throws included).
+struct SwitchEnv {
+  SwitchEnv(const char* name, const char* value) : name(name), ok(setenv(name, value, 1) == 0) {}
+  ~SwitchEnv() { unsetenv(name); }
+  SwitchEnv(const SwitchEnv&) = delete;
+  SwitchEnv& operator=(const SwitchEnv&) = delete;
+  const char* name;
+  bool ok;
+};
 
 }  // namespace mok::test

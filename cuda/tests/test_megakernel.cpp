@@ -54,6 +54,7 @@ struct RunConfig {
   // With stage_backward: the dx GEMM writes its rows (MoeBackwardArgs::dx_rows) and the scatter
   // kernel copies them into their slots (MOK_EXPERIMENT_DX_SCATTER=kernel), instead of the GEMM's push.
   bool scatter_kernel = false;
+  bool dx_rows_given = true;  // with scatter_kernel: MoeBackwardArgs::dx_rows set (false: refused by name)
   // Each forward's schedule built first in a call of its own (moe_schedule, one more epoch), and the
   // forward run on it (schedule_given): the explicit passes' build_schedule and forward. Not with graph.
   bool schedule_first = false;
@@ -368,7 +369,7 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
         b.d_w_type = cuda::GradType::bf16;
       }
       b.dx = rk.dx->ptr;
-      if (cfg.scatter_kernel) b.dx_rows = rk.dx_rows->ptr;
+      if (cfg.scatter_kernel && cfg.dx_rows_given) b.dx_rows = rk.dx_rows->ptr;
       b.d_topk_w = rk.d_topk_w->ptr;
       b.epoch = uint32_t((run - 1) * (2 + int(cfg.schedule_first)) + 2 + int(cfg.schedule_first));
       b.num_sms = ctas;
@@ -391,9 +392,8 @@ Outputs run_forward(const ref::LayerInputs<float>& in, const RunConfig& cfg, int
             EXPECT_EQ(cudaGraphLaunch(backward_graphs[r].exec, rk.stream), cudaSuccess);
         } else {
           Capture capture(cfg.capture, rk.stream);
-          if (cfg.scatter_kernel) setenv("MOK_EXPERIMENT_DX_SCATTER", "kernel", 1);
+          const SwitchEnv scatter("MOK_EXPERIMENT_DX_SCATTER", cfg.scatter_kernel ? "kernel" : "");
           cuda::moe_backward(b, rk.stream);
-          unsetenv("MOK_EXPERIMENT_DX_SCATTER");
         }
       } catch (const std::exception& e) {
         out.errors[r] += std::string("launch backward: ") + e.what() + "; ";
@@ -865,6 +865,10 @@ TEST_P(MegakernelFp8, Fp8DgradBackwardMatchesTheOracleAndIsBitwiseStable) {
   RunConfig scatter = cfg;
   scatter.scatter_kernel = true;
   expect_same_gradients(a, run_forward(in, scatter, 1), c.desc.ranks, "fp8_dgrad with the scatter kernel");
+  {  // The fp8 GEMMs unclustered (the push form's other kernel; every case here has even H / 128)
+    const SwitchEnv unclustered("MOK_FP8_CLUSTER", "off");
+    expect_same_gradients(a, run_forward(in, cfg, 1), c.desc.ranks, "fp8_dgrad without clusters");
+  }
   // Against fp8_block's backward (bf16 data gradients): near, and not the same bits.
   RunConfig bf16_dgrad = cfg;
   bf16_dgrad.fp8_dgrad = false;
@@ -926,6 +930,11 @@ TEST_P(MegakernelBackward, MatchesTheReferenceAndIsBitwiseStable) {
   scatter.stage_backward = true;
   scatter.scatter_kernel = true;
   expect_same_gradients(a, run_forward(in, scatter, 1), c.desc.ranks, "the stage kernels with the scatter kernel");
+  // Without the caller's dx rows (the handle holds none) that switch is refused by name.
+  scatter.dx_rows_given = false;
+  const Outputs refused = run_forward(in, scatter, 1);
+  EXPECT_NE(refused.errors[0].find("MOK_EXPERIMENT_DX_SCATTER=kernel needs dx_rows"), std::string::npos)
+      << refused.errors[0];
   // bf16 weight gradients: the fp32 ones rounded to nearest even, bit for bit; dx and d topk_w as before.
   cfg.bf16_grads = true;
   const Outputs h = run_forward(in, cfg, 1);
@@ -1105,17 +1114,21 @@ TEST(MegakernelErrors, RanksMakingDifferentCallsAreNamed) {
   EXPECT_EQ(again.errors[1], "");
   // A backward that replays its rows and one that does not are different calls too (the replaying
   // rank would pull x rows the other never wrote again).
-  // Both backward paths: the stage kernels' dx GEMM of a given-up call pushes nothing.
+  // Both backward paths, and fp8_dgrad's: the stage kernels' dx GEMM (bf16 or fp8) of a given-up
+  // call pushes nothing.
   const auto dy = make_output_grad<float>(d, 6, true);
-  for (const bool stages : {false, true}) {
+  for (const int path_id : {0, 1, 2}) {
+    const bool stages = path_id > 0, fp8_dgrad = path_id == 2;
     RunConfig mixed;
     mixed.backward = true;
     mixed.dy = &dy;
     mixed.rank1_replays = true;
     mixed.stage_backward = stages;
+    mixed.fp8 = fp8_dgrad;
+    mixed.fp8_dgrad = fp8_dgrad;
     mixed.timeout_s = 1.0;
     const Outputs replayed = run_forward(in, mixed, 1);
-    const std::string path = stages ? "stage kernels: " : "megakernel: ";
+    const std::string path = fp8_dgrad ? "fp8_dgrad stage kernels: " : stages ? "stage kernels: " : "megakernel: ";
     EXPECT_NE(replayed.errors[0].find("rank 0 and rank 1 made different calls"), std::string::npos)
         << path << replayed.errors[0];
     EXPECT_NE(replayed.errors[1].find("rank 1 and rank 0 made different calls"), std::string::npos)

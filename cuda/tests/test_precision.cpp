@@ -523,14 +523,9 @@ TEST(Precision, Fp8QuantizedWeightsAtTheVectorFormsEdgesEqualTheOracle) {
 // tolerance (the tensor cores' sum within a k-block is not the oracle's exact one), h_codes and
 // h_scales the CPU quantization of the GPU's own h bit for bit, rows past the experts untouched,
 // five reruns, a run on 3 SMs and one without clusters (MOK_FP8_CLUSTER=off) bit for bit.
-// One of the fp8 kernels' switches (fp8_experts.cu: MOK_FP8_CLUSTER, MOK_FP8_FUSED_DGU; on by
-// default) set for a scope, and unset again however the scope ends.
-struct SwitchEnv {
-  SwitchEnv(const char* name, const char* value) : name(name), ok(setenv(name, value, 1) == 0) {}
-  ~SwitchEnv() { unsetenv(name); }
-  const char* name;
-  bool ok;
-};
+// The fp8 kernels' switches (fp8_experts.cu: MOK_FP8_CLUSTER, MOK_FP8_FUSED_DGU; on by default)
+// are set per scope (test::SwitchEnv).
+using test::SwitchEnv;
 
 struct Fp8ForwardCase {
   const char* name;

@@ -151,7 +151,8 @@ void run(const Shape& s) {
       fill_random(mok::SymmetricLayout::at<uint16_t>(rd.base, layout.dy), size_t(T * H), 50 + r, 1.0f);
       rd.gu = device<uint16_t>(cap * 2 * I);
       rd.dx = device<uint16_t>(T * H);
-      rd.dx_rows = device<uint16_t>(cap * H);
+      const char* stages_ab = std::getenv("MOK_MK_TIMING_STAGES_AB");  // (its scatter kernel's rows only)
+      if (stages_ab != nullptr && std::string(stages_ab) == "1") rd.dx_rows = device<uint16_t>(cap * H);
       rd.d_topk_w = device<float>(T * k);
       rd.dwg = device<float>(El * I * H);
       rd.dwu = device<float>(El * I * H);
@@ -207,7 +208,7 @@ void run(const Shape& s) {
         b.d_w_down = rd.dwd;
         b.d_w_type = dw_bf16 ? mok::cuda::GradType::bf16 : mok::cuda::GradType::fp32;
         b.dx = rd.dx;
-        b.dx_rows = rd.dx_rows;  // (read only under MOK_EXPERIMENT_DX_SCATTER=kernel)
+        b.dx_rows = rd.dx_rows;  // (MOK_MK_TIMING_STAGES_AB's: read only under MOK_EXPERIMENT_DX_SCATTER=kernel)
         b.d_topk_w = rd.d_topk_w;
         b.fused = !stages;
         mok::cuda::moe_backward(b, rd.stream);

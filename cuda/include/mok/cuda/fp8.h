@@ -117,7 +117,8 @@ void experts_gate_up_fp8(const ExpertsForwardFp8Args& args, cudaStream_t stream)
 // bf16 kernels compute them from dh, with one d topk_w partial per 128 columns), then dg|du's
 // rows quantized 1 x 128 and dx = [dg|du] [W_gate; W_up] on e4m3 ([W_gate^T | W_up^T]'s codes).
 // The weight gradients stay bf16: experts_wgrad(base) after it reads dg|du and w*h from base.
-// hidden and intermediate are multiples of 128, row_capacity of 4.
+// With base.dx_push the dx rows go into their (token, j) slots as the bf16 dx GEMM pushes them
+// (base.dx may then be null). hidden and intermediate are multiples of 128, row_capacity of 4.
 struct ExpertsDgradFp8Args {
   // Its bf16 weights are not read; dw_partial has I / 128 columns here; d_w_* are experts_wgrad's.
   ExpertsBackwardArgs base;

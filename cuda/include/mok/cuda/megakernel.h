@@ -121,9 +121,9 @@ struct MoeForwardArgs {
 // backward; dx = [dg|du] [W_gate; W_up] pushed into the source ranks' dx_slots, d topk_w into their
 // dw_slots; then the weight gradients, fixed reduction order); a wait on every rank's arrival; the
 // fixed-order dx sum. With fused = false the same steps run as stage kernels (gather, the expert
-// backward whose dx GEMM pushes each row into its source rank's slot, the d topk_w scatter; at
-// fp8_dgrad the dx rows go through the scatter kernel): the same bits, the planner's choice where
-// communication is a small share of the backward.
+// backward whose dx GEMM, bf16 or fp8_dgrad's e4m3, pushes each row into its source rank's slot,
+// the d topk_w scatter): the same bits, the planner's choice where communication is a small share
+// of the backward.
 //
 // Replay (replay = true), for a forward that kept only its schedule (its ring smaller than the
 // rows, no g|u): every rank has also written its x into its symmetric buffer again, and the call
@@ -188,7 +188,8 @@ struct MoeBackwardArgs {
   void* hw = nullptr;              // [cap, I] bf16
   float* dw_partial = nullptr;     // [cap, dw_partial_blocks(I)]
   // Optional [cap, H] bf16: only MOK_EXPERIMENT_DX_SCATTER=kernel's stage kernels use it (dx rows
-  // written, then scattered); otherwise the dx GEMM pushes its rows. FusedBuffers leaves it null.
+  // written, then scattered; refused by name without it); otherwise the dx GEMM pushes its rows.
+  // FusedBuffers::wire does not set it.
   void* dx_rows = nullptr;
   float* d_row_weight = nullptr;   // [cap]
   // Outputs.

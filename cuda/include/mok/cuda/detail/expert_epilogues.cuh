@@ -268,7 +268,8 @@ struct StoreEpilogueOf {
   }
 };
 
-// ---- Rows pushed into their (token, j) slots (the megakernels' combine and dx, the stage dx) ----
+// ---- Rows pushed into their (token, j) slots (the megakernels' combine and dx, the stage dx: the
+// bf16 GEMM's and the fp8 store form's) ----
 // A tile's rows go to the slots its Target names (Target: dest(rank), src_rank(), src_slot(),
 // ranks(), slots(), width(), skips_push()): row r of the grouped rows to dest(src_rank[r]) +
 // src_slot[r] * width, a peer's slots by their mapped address; padding rows (-1) are not written.
@@ -321,7 +322,8 @@ __device__ void push_rows(const Target& p, int row_block, int n_block, Acc& acc,
   });
 }
 
-// The stage backward's dx GEMM with the scatter fused (ExpertsBackwardArgs::dx_push): every dx row
+// The stage backward's dx GEMM with the scatter fused (ExpertsBackwardArgs::dx_push; the fp8 dx
+// GEMM takes its Params and Target too, fp8_scaled_gemm_kernel.cuh): every dx row
 // goes straight into its (token, j) slot on its source rank, as scatter_rows would copy it, and no
 // dx row is written. A call given up (given_up_words, call_status.cuh) pushes nothing: a peer's
 // buffer may then be laid out otherwise.
