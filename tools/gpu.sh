@@ -220,6 +220,8 @@ if has bench_gemms; then  # each expert GEMM against torch._grouped_mm (MOK_GEMM
 fi
 
 if has bench_1gpu; then
+  # (mok's impl imports the package: its extension, when no earlier step built it)
+  python3 -c "import mok._C" 2>/dev/null || build_python_ext || true
   timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases "${MOK_BENCH_CASES_1GPU:-baselines_1gpu}" ${MOK_BENCH_IMPLS:+--impls "$MOK_BENCH_IMPLS"} \
     --out "$LOGS/baselines_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1

@@ -185,6 +185,12 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     if fp8 and shared_mode == "torch":
         raise Skip("MOK_BENCH_SHARED=torch: the shared expert in torch is bf16 (the fp8 row runs it in fp8)")
     shared_w = [t.detach() for t in p.shared] if p.shared is not None else None
+    # Its e4m3 operands as the layer takes them (_cuda_layer._layer_fp8_operands): the codes for the
+    # forward, and at fp8_dgrad with a backward the transposes for its data gradients.
+    shared_codes = shared_transposes = None
+    if fp8 and shared_w is not None and shared_mode != "torch":
+        shared_precision = "fp8_dgrad" if dgrad8 and with_backward else "fp8"
+        shared_codes, shared_transposes = _cuda_layer._fp8_operands(*shared_w, shared_precision)
 
     def forward() -> tuple[torch.Tensor, Any]:
         x_in.copy_(p.x.detach())
@@ -196,7 +202,7 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
                 saved, y_shared = _torch_shared_forward(p.x.detach(), *shared_w, p.swiglu_limit)
             else:
                 saved, y_shared = _cuda_layer._shared_expert_forward(p.x.detach(), *shared_w, p.swiglu_limit,
-                                                                     keep=with_backward, fp8=fp8)
+                                                                     keep=with_backward, fp8_codes=shared_codes)
         if fp8:
             fused.run_fp8(bases, *weights_fp8, y, y_shared=y_shared, context=context)
         else:
@@ -227,7 +233,8 @@ def build_layer(problem: Any, ctx: BenchContext) -> Runner:
                                                                   p.swiglu_limit)
                 else:
                     dx_shared, *d_shared = _cuda_layer._shared_expert_backward(saved, *shared_w, p.d_y,
-                                                                                p.swiglu_limit, fp8_dgrad=dgrad8)
+                                                                                p.swiglu_limit,
+                                                                                transposes=shared_transposes)
             if not serial_shared:
                 ready = torch.cuda.Event()
                 ready.record(side)
