@@ -1,8 +1,9 @@
-"""The GPU benchmark impl (bench/impls/mok_kernels.py) calls the package's private GPU helpers
-(mok._cuda_layer, mok._cuda_kernels and its FusedForward handle), which only a GPU run executes.
-This test binds every such call's arguments to the helper's current signature on the CPU, so a
-renamed or removed parameter fails here instead of in the next GPU benchmark (session 30 found
-`_shared_expert_forward(..., fp8=...)` raising there since the parameter became `fp8_codes`).
+"""The GPU benchmark code (bench/impls/mok_kernels.py, bench/gemms.py) calls the package's private
+GPU helpers (mok._cuda_layer, mok._cuda_kernels and its FusedForward handle), which only a GPU run
+executes (the CPU tests give gemms a torch stand-in). This test binds every such call's arguments
+to the helper's current signature on the CPU, so a renamed or removed parameter fails here instead
+of in the next GPU benchmark (session 30 found `_shared_expert_forward(..., fp8=...)` raising
+there since the parameter became `fp8_codes`).
 """
 
 from __future__ import annotations
@@ -16,29 +17,31 @@ import pytest
 pytest.importorskip("torch")
 from mok import _cuda_kernels, _cuda_layer  # noqa: E402  (pure Python: importable without a GPU)
 
-IMPL = Path(__file__).resolve().parents[2] / "bench" / "impls" / "mok_kernels.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-# What each receiver name in the impl stands for.
-RECEIVERS = {
-    "_cuda_layer": lambda name: getattr(_cuda_layer, name),
-    "kernels": lambda name: getattr(_cuda_kernels, name),
-    "fused": lambda name: getattr(_cuda_kernels.FusedForward, name),
+# What each receiver name stands for, per file.
+_LAYER = lambda name: getattr(_cuda_layer, name)  # noqa: E731
+_KERNELS = lambda name: getattr(_cuda_kernels, name)  # noqa: E731
+_HANDLE = lambda name: getattr(_cuda_kernels.FusedForward, name)  # noqa: E731
+FILES = {
+    "impls/mok_kernels.py": {"_cuda_layer": _LAYER, "kernels": _KERNELS, "fused": _HANDLE},
+    "gemms.py": {"k": _KERNELS},
 }
 
 
-def _calls() -> list[tuple[int, str, str, ast.Call]]:
-    tree = ast.parse(IMPL.read_text())
+def _calls() -> list[tuple[str, int, str, str, ast.Call]]:
     out = []
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in RECEIVERS):
-            out.append((node.lineno, node.func.value.id, node.func.attr, node))
+    for file, receivers in FILES.items():
+        for node in ast.walk(ast.parse((BENCH / file).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in receivers):
+                out.append((file, node.lineno, node.func.value.id, node.func.attr, node))
     return out
 
 
-def _problems(receiver: str, name: str, call: ast.Call) -> list[str]:
+def _problems(file: str, receiver: str, name: str, call: ast.Call) -> list[str]:
     try:
-        target = RECEIVERS[receiver](name)
+        target = FILES[file][receiver](name)
     except AttributeError:
         return [f"{receiver}.{name} does not exist"]
     if inspect.isclass(target):
@@ -61,14 +64,16 @@ def _problems(receiver: str, name: str, call: ast.Call) -> list[str]:
     return problems
 
 
-def test_the_impl_calls_private_gpu_helpers_at_all():
-    names = {(receiver, name) for _, receiver, name, _ in _calls()}
-    # (If the impl stops calling them, this test has nothing left to guard: drop it then.)
+def test_the_benchmark_calls_private_gpu_helpers_at_all():
+    names = {(receiver, name) for _, _, receiver, name, _ in _calls()}
+    # (If the benchmark stops calling them, this test has nothing left to guard: drop it then.)
     assert ("_cuda_layer", "_shared_expert_forward") in names
     assert ("fused", "backward") in names
+    assert ("k", "experts_backward") in names
 
 
-@pytest.mark.parametrize("line,receiver,name,call", _calls(), ids=lambda v: str(v) if isinstance(v, (int, str)) else "")
-def test_each_private_gpu_call_of_the_benchmark_impl_matches_its_signature(line, receiver, name, call):
-    problems = _problems(receiver, name, call)
-    assert not problems, f"bench/impls/mok_kernels.py:{line}: {receiver}.{name}: " + "; ".join(problems)
+@pytest.mark.parametrize("file,line,receiver,name,call", _calls(),
+                         ids=lambda v: str(v) if isinstance(v, (int, str)) else "")
+def test_each_private_gpu_call_of_the_benchmark_matches_its_signature(file, line, receiver, name, call):
+    problems = _problems(file, receiver, name, call)
+    assert not problems, f"bench/{file}:{line}: {receiver}.{name}: " + "; ".join(problems)
