@@ -111,7 +111,7 @@ def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
     p = problem
     T, H, I, k, R, El = p.x.shape[0], p.preset.H, p.preset.I, p.preset.topk, p.ranks, p.local_experts
     cap = R * T * k + El * 127
-    rows = cap * (3 * 2 * H + 5 * 2 * I + 16)
+    rows = cap * (2 * 2 * H + 5 * 2 * I + 16)  # x and dy rows (dx is pushed from its GEMM: no rows)
     grads = 3 * El * I * H * _grad_dtype().itemsize
     weights = 0
     if p.case.precision != "bf16":  # per row the codes of x and h and the bf16 x rows pulled again; the e4m3 weights
@@ -124,13 +124,15 @@ def _layer_memory_bytes(problem: Any, ctx: BenchContext) -> int:
 
 
 @register_impl("mok", "layer", is_baseline=False, memory_bytes=_layer_memory_bytes,
-               description="MoK fused forward (megakernel) + backward (stage kernels) over symmetric memory")
+               description="MoK fused forward (megakernel) + backward (the planner's: megakernel or stage kernels) "
+                           "over symmetric memory")
 def build_layer(problem: Any, ctx: BenchContext) -> Runner:
     """Through the C API: every rank writes x, topk_idx and topk_w (and dy for the backward) into
     its symmetric buffer and makes one call per pass. The forward is the megakernel (barrier,
     schedule, fused dispatch + experts + combine push, combine); it keeps its rows when the case
-    has a backward, which runs the stage kernels over the same buffers. The shared expert runs in
-    torch as mok.moe runs it (before the call in each pass, dx_shared summed by the call).
+    has a backward, which runs on the same buffers (the planner's path: the backward megakernel or
+    the stage kernels). The shared expert runs on MoK's expert kernels as mok.moe runs it (before
+    the call in each pass, dx_shared summed by the call; MOK_BENCH_SHARED below).
 
     At precision fp8 as mok.moe(config=MoeConfig(precision="fp8")) runs it: the weights quantized
     once (outside the timed passes), the call quantizing x itself, the shared expert on
