@@ -113,6 +113,9 @@ void run(const Shape& s) {
 
   const char* backward_env = std::getenv("MOK_MK_TIMING_BACKWARD");
   const bool backward = backward_env != nullptr && std::atoi(backward_env) != 0;
+  // MOK_MK_TIMING_STAGES_AB=1 (below): the scatter kernel's A/B, which alone needs dx rows.
+  const char* stages_ab_env = std::getenv("MOK_MK_TIMING_STAGES_AB");
+  const bool stages_ab = backward && stages_ab_env != nullptr && std::string(stages_ab_env) == "1";
   // The training forward keeps every row for the backward: its ring holds them all.
   const int64_t all_rows = (cap + c.minibatch_rows - 1) / c.minibatch_rows * c.minibatch_rows;
   const int64_t ring_rows = backward ? all_rows : c.ring_rows;
@@ -151,8 +154,7 @@ void run(const Shape& s) {
       fill_random(mok::SymmetricLayout::at<uint16_t>(rd.base, layout.dy), size_t(T * H), 50 + r, 1.0f);
       rd.gu = device<uint16_t>(cap * 2 * I);
       rd.dx = device<uint16_t>(T * H);
-      const char* stages_ab = std::getenv("MOK_MK_TIMING_STAGES_AB");  // (its scatter kernel's rows only)
-      if (stages_ab != nullptr && std::string(stages_ab) == "1") rd.dx_rows = device<uint16_t>(cap * H);
+      if (stages_ab) rd.dx_rows = device<uint16_t>(cap * H);
       rd.d_topk_w = device<float>(T * k);
       rd.dwg = device<float>(El * I * H);
       rd.dwu = device<float>(El * I * H);
@@ -238,7 +240,7 @@ void run(const Shape& s) {
     }
     // MOK_MK_TIMING_STAGES_AB=1: the stage kernels with the dx scatter fused into the dx GEMM (the
     // default) against the scatter kernel (MOK_EXPERIMENT_DX_SCATTER=kernel), 4 rounds alternating.
-    if (const char* ab = std::getenv("MOK_MK_TIMING_STAGES_AB"); ab != nullptr && std::string(ab) == "1") {
+    if (stages_ab) {
       stages = true;
       std::vector<float> pushed, kernel;
       for (int round = 0; round < 4; ++round) {
