@@ -135,6 +135,9 @@ build_python_ext() {
     timeout --kill-after=10 "$(left 300)" cmake --build "$ROOT/build-py" -j "$(nproc)" --target mok_python >> "$LOGS/pybuild.log" 2>&1
 }
 
+# mok._C importable: already, or built now (the bench_1gpu and train steps; pytest always builds it).
+python_ext_ready() { python3 -c "import mok._C" 2>/dev/null || build_python_ext; }
+
 if has pytest; then
   # mok._C, then the Python GPU tests.
   if build_python_ext; then
@@ -220,8 +223,7 @@ if has bench_gemms; then  # each expert GEMM against torch._grouped_mm (MOK_GEMM
 fi
 
 if has bench_1gpu; then
-  # (mok's impl imports the package: its extension, when no earlier step built it)
-  python3 -c "import mok._C" 2>/dev/null || build_python_ext || true
+  python_ext_ready || true  # (mok's impl imports the package)
   timeout --kill-after=10 "$(left $(( ${MOK_BENCH_BUDGET:-200} + 120 )))" python3 -m bench.run --cases "${MOK_BENCH_CASES_1GPU:-baselines_1gpu}" ${MOK_BENCH_IMPLS:+--impls "$MOK_BENCH_IMPLS"} \
     --out "$LOGS/baselines_1gpu_h200.json" --time-budget-s "${MOK_BENCH_BUDGET:-200}" \
     > "$LOGS/baselines_1gpu_h200.log" 2>&1 || status=1
@@ -234,7 +236,7 @@ if has train; then
   # against the torch layer on the same parameters and batches, steps alternating), one GPU, or
   # MOK_NPROC > 1: torchrun over that many (one expert-parallel group);
   # MOK_TRAIN_RUNS: ';'-separated argument lists, one bench.train run each.
-  if python3 -c "import mok._C" 2>/dev/null || build_python_ext; then
+  if python_ext_ready; then
     IFS=';' read -ra train_runs <<< "${MOK_TRAIN_RUNS:---presets qwen3-30b-a3b --layers 4;--presets mixtral-8x7b --layers 2}"
     for i in "${!train_runs[@]}"; do
       launcher=(python3); (( ${MOK_NPROC:-1} > 1 )) && launcher=(torchrun --standalone --nproc-per-node "$MOK_NPROC")
